@@ -1,0 +1,345 @@
+"""Registration, seal and the layout fingerprint (ARCHITECTURE §2). Pure: no I/O, no clocks.
+
+Theory of operation
+-------------------
+Each worker of an inference instance sends one `WorkerRegistration` listing every KV layer it holds. An
+`InstanceRegistry` collects them. Each arrival is checked on its own (field by field) and against what the other
+workers already registered (instance-wide fields, per-name geometry, pipeline stage); a registration that fails
+is rejected and leaves the registry as it was. When `world_size` workers are present the registry seals:
+
+    names      = sorted(union of all registered layer names)       -> dense ids 0..L-1
+    grid       = [layer][tp_rank] must each have an owner           -> error names layer and rank
+    descriptor = canonical JSON of (format, block_size, tp_size, per layer in id order:
+                 name, dtype, segment_bytes, segments, group_id, layout_tag)
+    digest     = sha256(descriptor); fingerprint = digest.hex()[:8]
+    namespace_final = f"{namespace}.{fingerprint}"
+
+Node-local facts (num_blocks, strides, memory handles, pp split) never enter the descriptor, so two instances
+with the same layout on different hardware share blocks, and any layout difference separates them.
+
+A page holds one slot per (layer_id, tp_rank), in that order:
+
+    page = | L0 r0 | L0 r1 | ... | L0 r(T-1) | L1 r0 | ... | L(L-1) r(T-1) |
+    slot(l, r) = segments_l * segment_bytes_l bytes (slot sizes may differ between layers)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvseal.errors import FailedPrecondition, InvalidArgument
+
+DESCRIPTOR_FORMAT = 1
+FINGERPRINT_HEX_CHARS = 8
+
+MAX_TP_SIZE = 1024
+MAX_WORLD_SIZE = 65536
+MAX_BLOCK_SIZE = 1 << 20
+MAX_LAYERS = 4096
+MAX_SEGMENT_BYTES = 1 << 30
+MAX_NAME_CHARS = 256
+
+_NAME_RE = re.compile(r"^[\x21-\x7e]+$")  # printable ASCII, no spaces
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._:/@+=-]+$")
+_DTYPE_RE = re.compile(r"^[a-z0-9_]+$")
+
+
+def normalize_dtype(dtype: str) -> str:
+    """'torch.bfloat16' and 'bfloat16' name the same dtype."""
+    return dtype.strip().lower().removeprefix("torch.")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGeometry:
+    """What the descriptor records about one layer: everything that decides what a slot's bytes mean."""
+
+    name: str
+    dtype: str
+    segment_bytes: int
+    segments: int
+    group_id: int
+    layout_tag: str
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.segments * self.segment_bytes
+
+    def as_descriptor_entry(self) -> list[Any]:
+        return [self.name, self.dtype, self.segment_bytes, self.segments, self.group_id, self.layout_tag]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRegistration:
+    """One layer as a worker holds it: geometry plus node-local placement. `memory` is opaque to the core."""
+
+    geometry: LayerGeometry
+    num_blocks: int
+    strides: tuple[int, ...]
+    memory: Any = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRegistration:
+    instance_id: str
+    namespace: str
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    world_size: int
+    block_size: int
+    layers: tuple[LayerRegistration, ...]
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.tp_rank, self.pp_rank)
+
+    def describe(self) -> str:
+        return f"tp_rank {self.tp_rank} pp_rank {self.pp_rank}"
+
+
+def validate_registration(reg: WorkerRegistration) -> None:
+    """Field-level checks of one registration on its own. Raises InvalidArgument naming the field."""
+    _check_text("instance_id", reg.instance_id, _NAME_RE)
+    _check_text("namespace", reg.namespace, _NAMESPACE_RE)
+    if not 1 <= reg.tp_size <= MAX_TP_SIZE:
+        raise InvalidArgument(f"tp_size must be in 1..{MAX_TP_SIZE}, got {reg.tp_size}")
+    if reg.tp_rank >= reg.tp_size:
+        raise InvalidArgument(f"tp_rank {reg.tp_rank} must be below tp_size {reg.tp_size}")
+    if not 1 <= reg.world_size <= MAX_WORLD_SIZE or reg.world_size % reg.tp_size:
+        raise InvalidArgument(
+            f"world_size must be a positive multiple of tp_size {reg.tp_size} (tp_size x pp_size), "
+            f"got {reg.world_size}"
+        )
+    if reg.pp_rank >= reg.world_size // reg.tp_size:
+        raise InvalidArgument(
+            f"pp_rank {reg.pp_rank} must be below pp_size {reg.world_size // reg.tp_size} "
+            f"(world_size {reg.world_size} / tp_size {reg.tp_size})"
+        )
+    if not 1 <= reg.block_size <= MAX_BLOCK_SIZE:
+        raise InvalidArgument(f"block_size (tokens per block) must be in 1..{MAX_BLOCK_SIZE}, got {reg.block_size}")
+    if not reg.layers:
+        raise InvalidArgument("layers must list at least one KV layer")
+    if len(reg.layers) > MAX_LAYERS:
+        raise InvalidArgument(f"layers: at most {MAX_LAYERS} layers per worker, got {len(reg.layers)}")
+    seen: set[str] = set()
+    for i, layer in enumerate(reg.layers):
+        _validate_layer(f"layers[{i}]", layer)
+        if layer.geometry.name in seen:
+            raise InvalidArgument(f"layers[{i}].name {layer.geometry.name!r} is listed twice")
+        seen.add(layer.geometry.name)
+
+
+def _check_text(field_name: str, value: str, pattern: re.Pattern[str]) -> None:
+    if not value:
+        raise InvalidArgument(f"{field_name} must not be empty")
+    if len(value) > MAX_NAME_CHARS or not pattern.match(value):
+        raise InvalidArgument(
+            f"{field_name} {value[:80]!r} must be at most {MAX_NAME_CHARS} characters matching {pattern.pattern}"
+        )
+
+
+def _validate_layer(where: str, layer: LayerRegistration) -> None:
+    g = layer.geometry
+    _check_text(f"{where}.name", g.name, _NAME_RE)
+    _check_text(f"{where}.dtype", g.dtype, _DTYPE_RE)
+    _check_text(f"{where}.layout_tag", g.layout_tag, _NAME_RE)
+    if not 1 <= g.segment_bytes <= MAX_SEGMENT_BYTES:
+        raise InvalidArgument(f"{where}.segment_bytes must be in 1..{MAX_SEGMENT_BYTES}, got {g.segment_bytes}")
+    if g.segments not in (1, 2):
+        raise InvalidArgument(f"{where}.segments must be 1 (page) or 2 (split K/V), got {g.segments}")
+    if not 0 <= g.group_id < 2**32:
+        raise InvalidArgument(f"{where}.group_id must fit in 32 bits, got {g.group_id}")
+    if layer.num_blocks < 1:
+        raise InvalidArgument(f"{where}.num_blocks must be at least 1, got {layer.num_blocks}")
+    if len(layer.strides) != g.segments:
+        raise InvalidArgument(
+            f"{where}.strides must hold {g.segments} value(s) (block stride"
+            f"{', segment stride' if g.segments == 2 else ''}), got {len(layer.strides)}"
+        )
+    if layer.num_blocks > 1 and layer.strides[0] < g.segment_bytes:
+        raise InvalidArgument(
+            f"{where}.strides[0] (block stride {layer.strides[0]}) is smaller than segment_bytes {g.segment_bytes}: "
+            "blocks would overlap"
+        )
+    if g.segments == 2 and layer.strides[1] < g.segment_bytes:
+        raise InvalidArgument(
+            f"{where}.strides[1] (segment stride {layer.strides[1]}) is smaller than segment_bytes "
+            f"{g.segment_bytes}: K and V would overlap"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A sealed layout: everything two instances must share to exchange pages. Identified by its digest."""
+
+    block_size: int
+    tp_size: int
+    layers: tuple[LayerGeometry, ...]  # in dense id order
+    descriptor: bytes
+    digest: bytes
+    slot_offsets: tuple[int, ...]  # (layer_id * tp_size + tp_rank) -> byte offset in the page
+    slot_sizes: tuple[int, ...]
+    page_bytes: int
+
+    @property
+    def fingerprint(self) -> str:
+        return self.digest.hex()[:FINGERPRINT_HEX_CHARS]
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slot_sizes)
+
+    def slot(self, layer_id: int, tp_rank: int) -> int:
+        return layer_id * self.tp_size + tp_rank
+
+
+def build_layout(block_size: int, tp_size: int, layers: list[LayerGeometry] | tuple[LayerGeometry, ...]) -> Layout:
+    """The layout of `layers` (any order; ids come from the sorted names)."""
+    ordered = tuple(sorted(layers, key=lambda g: g.name))
+    descriptor = json.dumps(
+        {
+            "format": DESCRIPTOR_FORMAT,
+            "block_size": block_size,
+            "tp_size": tp_size,
+            "layers": [g.as_descriptor_entry() for g in ordered],
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=True,
+    ).encode()
+    offsets, sizes = [], []
+    offset = 0
+    for g in ordered:
+        for _ in range(tp_size):
+            offsets.append(offset)
+            sizes.append(g.slot_bytes)
+            offset += g.slot_bytes
+    return Layout(
+        block_size=block_size,
+        tp_size=tp_size,
+        layers=ordered,
+        descriptor=descriptor,
+        digest=hashlib.sha256(descriptor).digest(),
+        slot_offsets=tuple(offsets),
+        slot_sizes=tuple(sizes),
+        page_bytes=offset,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SealedInstance:
+    namespace: str
+    layout: Layout
+    layer_ids: dict[str, int]
+    # worker key (tp_rank, pp_rank) -> the dense ids of the layers that worker holds, in its registration order
+    worker_layer_ids: dict[tuple[int, int], tuple[int, ...]]
+
+    @property
+    def namespace_final(self) -> str:
+        return f"{self.namespace}.{self.layout.fingerprint}"
+
+    def cell_mask(self, worker_key: tuple[int, int]) -> int:
+        """Bit (layer_id * tp_size + tp_rank) set for every slot that worker writes."""
+        tp_rank = worker_key[0]
+        mask = 0
+        for layer_id in self.worker_layer_ids[worker_key]:
+            mask |= 1 << self.layout.slot(layer_id, tp_rank)
+        return mask
+
+
+class InstanceRegistry:
+    """The registrations of one inference instance, and its seal once all workers are in."""
+
+    def __init__(self, instance_id: str) -> None:
+        self.instance_id = instance_id
+        self.workers: dict[tuple[int, int], WorkerRegistration] = {}
+        self.sealed: SealedInstance | None = None
+
+    @property
+    def world_size(self) -> int | None:
+        first = next(iter(self.workers.values()), None)
+        return first.world_size if first else None
+
+    def progress(self) -> str:
+        return f"{len(self.workers)}/{self.world_size or '?'} workers registered"
+
+    def add(self, reg: WorkerRegistration) -> SealedInstance | None:
+        """Adds (or replaces) one worker's registration and seals when all are in.
+
+        On any error the registry is left exactly as it was and the error names the field, layer or rank.
+        """
+        validate_registration(reg)
+        if reg.instance_id != self.instance_id:
+            raise InvalidArgument(f"instance_id {reg.instance_id!r} does not match {self.instance_id!r}")
+        others = {k: w for k, w in self.workers.items() if k != reg.key}
+        for other in others.values():
+            _check_agreement(reg, other)
+        candidate = {**others, reg.key: reg}
+        sealed = seal(list(candidate.values())) if len(candidate) == reg.world_size else None
+        self.workers = candidate
+        self.sealed = sealed
+        return sealed
+
+    def remove(self, key: tuple[int, int]) -> bool:
+        """Drops a worker; the instance is unsealed until it (or a replacement) registers again."""
+        if self.workers.pop(key, None) is None:
+            return False
+        self.sealed = None
+        return True
+
+
+def _check_agreement(reg: WorkerRegistration, other: WorkerRegistration) -> None:
+    for name in ("namespace", "tp_size", "world_size", "block_size"):
+        mine, theirs = getattr(reg, name), getattr(other, name)
+        if mine != theirs:
+            raise FailedPrecondition(
+                f"{name} {mine!r} of {reg.describe()} disagrees with {theirs!r} registered by "
+                f"{other.describe()} of instance {reg.instance_id!r}"
+            )
+    theirs_by_name = {layer.geometry.name: layer.geometry for layer in other.layers}
+    for i, layer in enumerate(reg.layers):
+        g = layer.geometry
+        t = theirs_by_name.get(g.name)
+        if t is None:
+            continue
+        for attr in ("dtype", "segment_bytes", "segments", "group_id", "layout_tag"):
+            if getattr(g, attr) != getattr(t, attr):
+                raise FailedPrecondition(
+                    f"layers[{i}] {g.name!r}: {attr} {getattr(g, attr)!r} of {reg.describe()} disagrees with "
+                    f"{getattr(t, attr)!r} registered by {other.describe()}"
+                )
+        if reg.pp_rank != other.pp_rank:
+            raise FailedPrecondition(
+                f"layers[{i}] {g.name!r} is registered by pp_rank {reg.pp_rank} and pp_rank {other.pp_rank}: "
+                "replicas of a layer are allowed only within one pipeline stage"
+            )
+
+
+def seal(workers: list[WorkerRegistration]) -> SealedInstance:
+    """Seals a complete set of registrations (already checked pairwise by InstanceRegistry.add)."""
+    first = workers[0]
+    geometry: dict[str, LayerGeometry] = {}
+    owners: dict[str, set[int]] = {}
+    for w in workers:
+        for layer in w.layers:
+            geometry[layer.geometry.name] = layer.geometry
+            owners.setdefault(layer.geometry.name, set()).add(w.tp_rank)
+    layout = build_layout(first.block_size, first.tp_size, list(geometry.values()))
+    layer_ids = {g.name: i for i, g in enumerate(layout.layers)}
+    for g in layout.layers:
+        missing = [r for r in range(first.tp_size) if r not in owners[g.name]]
+        if missing:
+            raise FailedPrecondition(
+                f"layer {g.name!r} (id {layer_ids[g.name]}) has no owner for tp_rank {missing[0]}: every "
+                f"(layer, tp_rank) cell must be registered by some worker of instance {first.instance_id!r}"
+            )
+    return SealedInstance(
+        namespace=first.namespace,
+        layout=layout,
+        layer_ids=layer_ids,
+        worker_layer_ids={w.key: tuple(layer_ids[layer.geometry.name] for layer in w.layers) for w in workers},
+    )

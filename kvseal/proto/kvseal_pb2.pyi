@@ -1,0 +1,246 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ShmHandle(_message.Message):
+    __slots__ = ("path", "offset", "size")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offset: int
+    size: int
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("device", "handle", "storage_size", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "offset")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    offset: int
+    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class MemoryHandle(_message.Message):
+    __slots__ = ("shm", "cuda")
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    shm: ShmHandle
+    cuda: CudaIpcHandle
+    def __init__(self, shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
+class LayerSpec(_message.Message):
+    __slots__ = ("name", "dtype", "segment_bytes", "segments", "group_id", "layout_tag", "num_blocks", "strides", "memory")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_TAG_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STRIDES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    segment_bytes: int
+    segments: int
+    group_id: int
+    layout_tag: str
+    num_blocks: int
+    strides: _containers.RepeatedScalarFieldContainer[int]
+    memory: MemoryHandle
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., group_id: _Optional[int] = ..., layout_tag: _Optional[str] = ..., num_blocks: _Optional[int] = ..., strides: _Optional[_Iterable[int]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ...) -> None: ...
+
+class WorkerId(_message.Message):
+    __slots__ = ("instance_id", "tp_rank", "pp_rank")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    tp_rank: int
+    pp_rank: int
+    def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ...) -> None: ...
+
+class InstanceStatus(_message.Message):
+    __slots__ = ("sealed", "registered", "world_size", "namespace_final", "fingerprint", "digest", "num_layers", "page_bytes")
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FINAL_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    sealed: bool
+    registered: int
+    world_size: int
+    namespace_final: str
+    fingerprint: str
+    digest: str
+    num_layers: int
+    page_bytes: int
+    def __init__(self, sealed: _Optional[bool] = ..., registered: _Optional[int] = ..., world_size: _Optional[int] = ..., namespace_final: _Optional[str] = ..., fingerprint: _Optional[str] = ..., digest: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("instance_id", "namespace", "tp_rank", "tp_size", "pp_rank", "world_size", "block_size", "layers")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    namespace: str
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    world_size: int
+    block_size: int
+    layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
+    def __init__(self, instance_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: InstanceStatus
+    def __init__(self, status: _Optional[_Union[InstanceStatus, _Mapping]] = ...) -> None: ...
+
+class SaveRequest(_message.Message):
+    __slots__ = ("worker", "block_hashes", "block_ids")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerId
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SaveResponse(_message.Message):
+    __slots__ = ("written", "skipped", "not_stored", "completed", "namespace_final")
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    NOT_STORED_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FINAL_FIELD_NUMBER: _ClassVar[int]
+    written: int
+    skipped: int
+    not_stored: int
+    completed: int
+    namespace_final: str
+    def __init__(self, written: _Optional[int] = ..., skipped: _Optional[int] = ..., not_stored: _Optional[int] = ..., completed: _Optional[int] = ..., namespace_final: _Optional[str] = ...) -> None: ...
+
+class QueryRequest(_message.Message):
+    __slots__ = ("instance_id", "block_hashes", "request_id", "lease_ttl_ms")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    request_id: str
+    lease_ttl_ms: int
+    def __init__(self, instance_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., request_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class QueryResponse(_message.Message):
+    __slots__ = ("hits", "lease_id", "loading", "namespace_final", "lease_ttl_ms")
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOADING_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FINAL_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    hits: int
+    lease_id: int
+    loading: bool
+    namespace_final: str
+    lease_ttl_ms: int
+    def __init__(self, hits: _Optional[int] = ..., lease_id: _Optional[int] = ..., loading: _Optional[bool] = ..., namespace_final: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("worker", "block_hashes", "block_ids", "lease_id")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerId
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    lease_id: int
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class LoadResponse(_message.Message):
+    __slots__ = ("outcome", "loaded", "reason", "message")
+    class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        OUTCOME_UNSPECIFIED: _ClassVar[LoadResponse.Outcome]
+        LOADED: _ClassVar[LoadResponse.Outcome]
+        MISSING: _ClassVar[LoadResponse.Outcome]
+        REFUSED: _ClassVar[LoadResponse.Outcome]
+    OUTCOME_UNSPECIFIED: LoadResponse.Outcome
+    LOADED: LoadResponse.Outcome
+    MISSING: LoadResponse.Outcome
+    REFUSED: LoadResponse.Outcome
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    outcome: LoadResponse.Outcome
+    loaded: int
+    reason: str
+    message: str
+    def __init__(self, outcome: _Optional[_Union[LoadResponse.Outcome, str]] = ..., loaded: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("instance_id", "lease_id")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    lease_id: int
+    def __init__(self, instance_id: _Optional[str] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnregisterRequest(_message.Message):
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerId
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ...) -> None: ...
+
+class UnregisterResponse(_message.Message):
+    __slots__ = ("remaining_workers",)
+    REMAINING_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    remaining_workers: int
+    def __init__(self, remaining_workers: _Optional[int] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerId
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: InstanceStatus
+    def __init__(self, status: _Optional[_Union[InstanceStatus, _Mapping]] = ...) -> None: ...
