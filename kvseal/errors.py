@@ -39,3 +39,23 @@ class ResourceExhausted(KvsealError):
 
 class Unauthenticated(KvsealError):
     status = "UNAUTHENTICATED"
+
+
+class Unavailable(KvsealError):
+    """The engine cannot be reached (client side)."""
+
+    status = "UNAVAILABLE"
+
+
+class DeadlineExceeded(KvsealError):
+    status = "DEADLINE_EXCEEDED"
+
+
+def error_for_status(status: str, message: str) -> KvsealError:
+    """The exception a client raises for a gRPC status name."""
+    for cls in (InvalidArgument, FailedPrecondition, NotFound, ResourceExhausted, Unauthenticated, Unavailable,
+                DeadlineExceeded):
+        if cls.status == status:
+            return cls(message)
+    err = KvsealError(f"{status}: {message}")
+    return err

@@ -257,22 +257,27 @@ class BlockStore:
         return SavePlan(ns_id, cell_mask, tuple(entries), skipped, not_stored)
 
     def finish_save(self, plan: SavePlan, ok: bool) -> int:
-        """Records the copies of a SavePlan. Returns how many pages became sealed."""
+        """Records the copies of a SavePlan. Returns how many pages became sealed.
+
+        A page seals (or, with nothing written, is dropped) only when its last writer finishes: every plan entry
+        holds a writer, so no plan can still be copying into a page that became evictable, and a page id cannot
+        be recycled for another hash while a plan naming it is open."""
         ns = self._namespaces[plan.namespace_id]
         full_mask = (1 << self._layouts[ns.layout_id].num_slots) - 1
         completed = 0
         for _, pid, _ in plan.entries:
             inflight = self._inflight.get(pid)
-            if inflight is None:  # a duplicate hash in the same request already sealed it
+            if inflight is None:  # only if the plan was finished twice (a caller bug)
                 continue
             inflight.writers -= 1
             if ok:
                 inflight.mask |= plan.cell_mask
+            if inflight.writers == 0:
                 if inflight.mask == full_mask:
                     self._seal(pid, ns)
                     completed += 1
-            elif inflight.mask == 0 and inflight.writers == 0:
-                self._drop_inflight(pid)
+                elif inflight.mask == 0:
+                    self._drop_inflight(pid)
         return completed
 
     def _seal(self, pid: int, ns: NamespaceStats) -> None:

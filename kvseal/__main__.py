@@ -1,0 +1,5 @@
+import sys
+
+from kvseal.cli import main
+
+sys.exit(main())

@@ -1,0 +1,452 @@
+"""The engine: instances and their workers, the store, the arena and the copies, behind one lock.
+
+Thread model: gRPC handlers call these methods concurrently. Book-keeping (registry, store) happens under
+`_lock`; copies happen outside it on pages the store keeps alive for the copy (inflight for saves, pinned for
+loads), so a long copy never blocks queries. A worker's mapped memory stays mapped while any copy still refers
+to it, even if the worker is dropped meanwhile (the views keep the mapping alive).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvseal.core.layout import (
+    InstanceRegistry,
+    SealedInstance,
+    WorkerRegistration,
+    validate_registration,
+)
+from kvseal.core.store import BlockStore, StoreStatistics
+from kvseal.engine.copy import SlotSource, WorkerCopier
+from kvseal.engine.memory import Arena, CudaSpec, MappedFile, layer_extent, map_cuda_storage, map_layer_memory
+from kvseal.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+
+MAX_HASH_BYTES = 64
+MAX_BLOCKS_PER_REQUEST = 1 << 17
+MAX_LEASE_TTL_MS = 3_600_000
+
+WorkerKey = tuple[str, int, int]  # (instance_id, tp_rank, pp_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceStatus:
+    instance_id: str
+    sealed: bool
+    registered: int
+    world_size: int
+    namespace: str = ""
+    namespace_final: str = ""
+    fingerprint: str = ""
+    digest: str = ""
+    num_layers: int = 0
+    page_bytes: int = 0
+    block_size: int = 0
+    tp_size: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    written: int
+    skipped: int
+    not_stored: int
+    completed: int
+    namespace_final: str
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    outcome: str  # loaded | missing | refused
+    loaded: int
+    reason: str = ""
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class QueryResult:
+    hits: int
+    lease_id: int
+    lease_ttl_ms: int
+    namespace_final: str
+    loading: bool = False
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    save_bytes: int = 0
+    save_seconds: float = 0.0
+    saves: int = 0
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    loads: int = 0
+    refusals: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatistics:
+    store: StoreStatistics
+    counters: EngineCounters
+    instances: int
+    workers: int
+
+
+class _Worker:
+    def __init__(self, reg: WorkerRegistration, memories: list[Any]) -> None:
+        self.registration = reg
+        self.memories = memories  # per layer, in registration order
+        self.num_blocks = min(layer.num_blocks for layer in reg.layers)
+        self.copier: WorkerCopier | None = None
+        self.cell_mask = 0
+        self.slot_bytes = 0  # bytes this worker moves per block
+
+
+class _Instance:
+    def __init__(self, instance_id: str) -> None:
+        self.registry = InstanceRegistry(instance_id)
+        self.workers: dict[tuple[int, int], _Worker] = {}
+        self.ns_id = -1
+
+    @property
+    def sealed(self) -> SealedInstance | None:
+        return self.registry.sealed
+
+
+class Engine:
+    def __init__(
+        self,
+        pool_bytes: int,
+        *,
+        slab_bytes: int = 64 << 20,
+        prefault: bool = True,
+        lease_ttl_s: float = 30.0,
+        inflight_timeout_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = BlockStore(
+            pool_bytes,
+            slab_bytes=slab_bytes,
+            clock=clock,
+            lease_ttl_s=lease_ttl_s,
+            inflight_timeout_s=inflight_timeout_s,
+        )
+        self.arena = Arena(self.store.arena_bytes, prefault=prefault)
+        self.counters = EngineCounters()
+        self._lock = threading.Lock()
+        self._instances: dict[str, _Instance] = {}
+
+    # ---------------------------------------------------------------- registration
+
+    def register(self, reg: WorkerRegistration) -> InstanceStatus:
+        """Registers one worker; seals the instance when it is the last one. On error nothing changes."""
+        validate_registration(reg)
+        memories = self._map_memory(reg)
+        with self._lock:
+            inst = self._instances.get(reg.instance_id)
+            if inst is None:
+                inst = _Instance(reg.instance_id)
+            before = (dict(inst.registry.workers), inst.registry.sealed)
+            try:
+                sealed = inst.registry.add(reg)
+                if sealed is not None:
+                    self._check_page_fits(sealed)
+            except Exception:
+                inst.registry.workers, inst.registry.sealed = before
+                raise
+            self._instances[reg.instance_id] = inst
+            inst.workers[reg.key] = _Worker(reg, memories)
+            if sealed is not None:
+                self._on_seal(inst, sealed)
+            return self._status(inst)
+
+    def _map_memory(self, reg: WorkerRegistration) -> list[Any]:
+        files: dict[tuple[str, int], MappedFile] = {}
+        memories = []
+        for i, layer in enumerate(reg.layers):
+            g = layer.geometry
+            extent = layer_extent(layer.num_blocks, g.segments, g.segment_bytes, layer.strides)
+            where = f"layers[{i}].memory"
+            if isinstance(layer.memory, CudaSpec):
+                memories.append(map_cuda_storage(where, layer.memory, extent))
+            else:
+                memories.append(map_layer_memory(where, layer.memory, extent, files).bytes)
+        return memories
+
+    def _check_page_fits(self, sealed: SealedInstance) -> None:
+        page = sealed.layout.page_bytes
+        if page > self.store.max_page_bytes():
+            raise ResourceExhausted(
+                f"a page of this layout holds {page} bytes ({sealed.layout.num_slots} slots) but the pool's largest "
+                f"page is {self.store.max_page_bytes()} bytes: raise --pool-size (and --slab-size)"
+            )
+
+    def _on_seal(self, inst: _Instance, sealed: SealedInstance) -> None:
+        layout = sealed.layout
+        inst.ns_id = self.store.namespace(sealed.namespace_final, layout)
+        for key, worker in inst.workers.items():
+            tp_rank = key[0]
+            sources = []
+            for layer, memory in zip(worker.registration.layers, worker.memories, strict=True):
+                g = layer.geometry
+                slot = layout.slot(sealed.layer_ids[g.name], tp_rank)
+                offset = layer.memory.offset if layer.memory is not None else 0
+                sources.append(
+                    SlotSource(
+                        memory=memory,
+                        src_offset=offset,
+                        block_stride=layer.strides[0],
+                        segment_stride=layer.strides[1] if g.segments == 2 else 0,
+                        num_blocks=layer.num_blocks,
+                        segments=g.segments,
+                        segment_bytes=g.segment_bytes,
+                        dst_offset=layout.slot_offsets[slot],
+                    )
+                )
+            worker.copier = WorkerCopier(sources, self.arena.bytes)
+            worker.cell_mask = sealed.cell_mask(key)
+            worker.slot_bytes = sum(layer.geometry.slot_bytes for layer in worker.registration.layers)
+
+    def unregister(self, worker: WorkerKey) -> int:
+        """Drops a worker's registration and mappings and every lease of its instance. Returns the workers left."""
+        with self._lock:
+            inst = self._instances.get(worker[0])
+            if inst is None or (worker[1], worker[2]) not in inst.workers:
+                raise NotFound(f"worker tp_rank {worker[1]} pp_rank {worker[2]} of instance {worker[0]!r} is not registered")
+            return self._drop(inst, (worker[1], worker[2]))
+
+    def _drop(self, inst: _Instance, key: tuple[int, int]) -> int:
+        inst.registry.remove(key)
+        del inst.workers[key]
+        self.store.release_owner(inst.registry.instance_id)
+        if not inst.workers:
+            del self._instances[inst.registry.instance_id]
+        return len(inst.workers)
+
+    def open_session(self, worker: WorkerKey) -> Callable[[], None]:
+        """Binds a liveness session to the worker's current registration. Returns the function to call when the
+        session ends: it drops that registration (not a newer one made after a reconnect)."""
+        with self._lock:
+            inst, w = self._find_worker(worker)
+        key = (worker[1], worker[2])
+
+        def close() -> None:
+            with self._lock:
+                if inst.workers.get(key) is w:
+                    self._drop(inst, key)
+
+        return close
+
+    # ---------------------------------------------------------------- data path
+
+    def save(self, worker: WorkerKey, hashes: Sequence[bytes], block_ids: Sequence[int]) -> SaveResult:
+        _check_blocks(hashes, block_ids)
+        with self._lock:
+            inst, w = self._find_sealed_worker(worker)
+            _check_block_range(block_ids, w.num_blocks)
+            sealed = inst.sealed
+            assert sealed is not None and w.copier is not None
+            plan = self.store.begin_save(inst.ns_id, sealed.layout, hashes, w.cell_mask)
+        start = time.perf_counter()
+        ok = False
+        try:
+            w.copier.save(plan.entries, block_ids)
+            ok = True
+        finally:
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                completed = self.store.finish_save(plan, ok)
+                self.counters.saves += 1
+                self.counters.save_bytes += len(plan.entries) * w.slot_bytes
+                self.counters.save_seconds += elapsed
+        return SaveResult(
+            written=len(plan.entries),
+            skipped=plan.skipped,
+            not_stored=plan.not_stored,
+            completed=completed,
+            namespace_final=sealed.namespace_final,
+        )
+
+    def load(
+        self, worker: WorkerKey, hashes: Sequence[bytes], block_ids: Sequence[int], lease_id: int = 0
+    ) -> LoadResult:
+        _check_blocks(hashes, block_ids)
+        with self._lock:
+            inst, w = self._find_sealed_worker(worker)
+            _check_block_range(block_ids, w.num_blocks)
+            sealed = inst.sealed
+            assert sealed is not None and w.copier is not None
+            plan = self.store.begin_load(
+                inst.ns_id,
+                sealed.layout,
+                hashes,
+                lease_id=lease_id,
+                owner=worker[0],
+                worker_key=(worker[1], worker[2]),
+            )
+            if plan.outcome == "refused":
+                self.counters.refusals[plan.reason] += 1
+        start = time.perf_counter()
+        try:
+            w.copier.load(plan.entries, block_ids)
+        finally:
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                self.store.finish_load(plan)
+                self.counters.loads += 1
+                self.counters.load_bytes += len(plan.entries) * w.slot_bytes
+                self.counters.load_seconds += elapsed
+        return LoadResult(plan.outcome, len(plan.entries), plan.reason, plan.message)
+
+    def query(self, instance_id: str, hashes: Sequence[bytes], lease_ttl_ms: int = 0) -> QueryResult:
+        _check_hashes(hashes)
+        if not 0 <= lease_ttl_ms <= MAX_LEASE_TTL_MS:
+            raise InvalidArgument(f"lease_ttl_ms must be in 0..{MAX_LEASE_TTL_MS}, got {lease_ttl_ms}")
+        with self._lock:
+            inst = self._find_sealed(instance_id)
+            sealed = inst.sealed
+            assert sealed is not None
+            ttl_s = lease_ttl_ms / 1000 if lease_ttl_ms else self.store.lease_ttl_s
+            result = self.store.query(
+                inst.ns_id, sealed.layout, hashes, owner=instance_id, shares=len(inst.workers), ttl_s=ttl_s
+            )
+            return QueryResult(result.hits, result.lease_id, int(ttl_s * 1000), sealed.namespace_final)
+
+    def release(self, instance_id: str, lease_id: int) -> None:
+        if lease_id <= 0:
+            raise InvalidArgument("lease_id must be a lease returned by Query (> 0)")
+        with self._lock:
+            self._find_instance(instance_id)
+            self.store.release(lease_id, instance_id)
+
+    def tick(self) -> None:
+        """Expires leases and inflight pages even when no request comes (called periodically by the server)."""
+        with self._lock:
+            self.store.expire()
+
+    # ---------------------------------------------------------------- lookup
+
+    def _find_instance(self, instance_id: str) -> _Instance:
+        if not instance_id:
+            raise InvalidArgument("instance_id must not be empty")
+        inst = self._instances.get(instance_id)
+        if inst is None:
+            raise NotFound(f"instance_id {instance_id!r} is not registered (register its workers first)")
+        return inst
+
+    def _find_sealed(self, instance_id: str) -> _Instance:
+        inst = self._find_instance(instance_id)
+        if inst.sealed is None:
+            raise FailedPrecondition(f"registration incomplete: {inst.registry.progress()} for {instance_id!r}")
+        return inst
+
+    def _find_worker(self, worker: WorkerKey) -> tuple[_Instance, _Worker]:
+        inst = self._find_instance(worker[0])
+        w = inst.workers.get((worker[1], worker[2]))
+        if w is None:
+            raise NotFound(
+                f"worker tp_rank {worker[1]} pp_rank {worker[2]} of instance {worker[0]!r} is not registered"
+            )
+        return inst, w
+
+    def _find_sealed_worker(self, worker: WorkerKey) -> tuple[_Instance, _Worker]:
+        inst, w = self._find_worker(worker)
+        self._find_sealed(worker[0])
+        return inst, w
+
+    # ---------------------------------------------------------------- views
+
+    def status(self, instance_id: str) -> InstanceStatus:
+        with self._lock:
+            return self._status(self._find_instance(instance_id))
+
+    def _status(self, inst: _Instance) -> InstanceStatus:
+        reg = inst.registry
+        sealed = reg.sealed
+        first = next(iter(reg.workers.values()), None)
+        base = InstanceStatus(
+            instance_id=reg.instance_id,
+            sealed=sealed is not None,
+            registered=len(reg.workers),
+            world_size=reg.world_size or 0,
+            namespace=first.namespace if first else "",
+            block_size=first.block_size if first else 0,
+            tp_size=first.tp_size if first else 0,
+        )
+        if sealed is None:
+            return base
+        return dataclasses.replace(
+            base,
+            namespace_final=sealed.namespace_final,
+            fingerprint=sealed.layout.fingerprint,
+            digest=sealed.layout.digest.hex(),
+            num_layers=len(sealed.layout.layers),
+            page_bytes=sealed.layout.page_bytes,
+        )
+
+    def instances(self) -> list[InstanceStatus]:
+        with self._lock:
+            return [self._status(inst) for inst in self._instances.values()]
+
+    def namespaces(self) -> list[dict[str, Any]]:
+        with self._lock:
+            out = []
+            for ns, layout in self.store.namespace_stats():
+                final = ns.namespace_final
+                out.append(
+                    {
+                        "namespace": final,
+                        "client_namespace": final.rsplit(".", 1)[0],
+                        "fingerprint": layout.fingerprint,
+                        "digest": layout.digest.hex(),
+                        "block_size": layout.block_size,
+                        "tp_size": layout.tp_size,
+                        "num_layers": len(layout.layers),
+                        "page_bytes": layout.page_bytes,
+                        "resident_blocks": ns.resident_blocks,
+                        "resident_bytes": ns.resident_bytes,
+                        "hits": ns.hits,
+                        "misses": ns.misses,
+                        "refused": dict(ns.refused),
+                        "last_used": ns.last_used,
+                    }
+                )
+            return out
+
+    def statistics(self) -> EngineStatistics:
+        with self._lock:
+            c = self.counters
+            counters = EngineCounters(
+                c.save_bytes, c.save_seconds, c.saves, c.load_bytes, c.load_seconds, c.loads, Counter(c.refusals)
+            )
+            return EngineStatistics(
+                store=self.store.statistics(),
+                counters=counters,
+                instances=len(self._instances),
+                workers=sum(len(i.workers) for i in self._instances.values()),
+            )
+
+
+def _check_hashes(hashes: Sequence[bytes]) -> None:
+    if len(hashes) > MAX_BLOCKS_PER_REQUEST:
+        raise InvalidArgument(f"block_hashes: at most {MAX_BLOCKS_PER_REQUEST} per request, got {len(hashes)}")
+    if hashes and (min(map(len, hashes)) == 0 or max(map(len, hashes)) > MAX_HASH_BYTES):
+        bad = next(i for i, h in enumerate(hashes) if not 0 < len(h) <= MAX_HASH_BYTES)
+        raise InvalidArgument(f"block_hashes[{bad}] must be 1..{MAX_HASH_BYTES} bytes, got {len(hashes[bad])}")
+
+
+def _check_blocks(hashes: Sequence[bytes], block_ids: Sequence[int]) -> None:
+    _check_hashes(hashes)
+    if len(block_ids) != len(hashes):
+        raise InvalidArgument(f"block_ids has {len(block_ids)} entries but block_hashes has {len(hashes)}")
+
+
+def _check_block_range(block_ids: Sequence[int], num_blocks: int) -> None:
+    if block_ids and max(block_ids) >= num_blocks:
+        bad = next(i for i, b in enumerate(block_ids) if b >= num_blocks)
+        raise InvalidArgument(
+            f"block_ids[{bad}] = {block_ids[bad]} is out of range: the worker registered {num_blocks} blocks"
+        )

@@ -1,0 +1,70 @@
+"""Prometheus metrics. Engine state is read from `Engine.statistics()` snapshots at scrape time; RPC latency is
+observed as calls finish. Each server has its own registry, so several engines can live in one test process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvseal.engine.engine import Engine
+
+_RPC_BUCKETS = (50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.1, 0.5, 1.0, 5.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.engine.statistics()
+        st, c = s.store, s.counters
+        yield GaugeMetricFamily("kvseal_resident_blocks", "Sealed blocks held in the pool", value=st.resident_blocks)
+        yield GaugeMetricFamily("kvseal_resident_bytes", "Pool bytes held by sealed blocks", value=st.sealed_bytes)
+        yield GaugeMetricFamily("kvseal_pool_bytes", "Pool arena size", value=st.arena_bytes)
+        yield GaugeMetricFamily("kvseal_pool_free_bytes", "Pool bytes holding no page", value=st.free_bytes)
+        used = GaugeMetricFamily("kvseal_pool_used_bytes", "Pool bytes holding pages, by state", labels=["state"])
+        used.add_metric(["inflight"], st.inflight_bytes)
+        used.add_metric(["sealed"], st.sealed_bytes)
+        used.add_metric(["pinned"], st.pinned_bytes)
+        yield used
+        yield GaugeMetricFamily("kvseal_leases", "Open leases", value=st.leases)
+        yield GaugeMetricFamily("kvseal_instances", "Registered instances", value=s.instances)
+        yield GaugeMetricFamily("kvseal_workers", "Registered workers", value=s.workers)
+        yield CounterMetricFamily("kvseal_evictions", "Pages evicted from the pool", value=st.evictions)
+        yield CounterMetricFamily(
+            "kvseal_inflight_reclaimed", "Incomplete pages reclaimed after the timeout", value=st.inflight_reclaimed
+        )
+        hits = CounterMetricFamily("kvseal_hits", "Blocks found by queries", labels=["namespace"])
+        misses = CounterMetricFamily("kvseal_misses", "Blocks queried and not found", labels=["namespace"])
+        refusals = CounterMetricFamily("kvseal_refusals", "Loads refused, by reason", labels=["namespace", "reason"])
+        for ns in self.engine.namespaces():
+            hits.add_metric([ns["namespace"]], ns["hits"])
+            misses.add_metric([ns["namespace"]], ns["misses"])
+            for reason, n in ns["refused"].items():
+                refusals.add_metric([ns["namespace"], reason], n)
+        yield hits
+        yield misses
+        yield refusals
+        yield CounterMetricFamily("kvseal_save_bytes", "Bytes copied into the pool by saves", value=c.save_bytes)
+        yield CounterMetricFamily("kvseal_save_seconds", "Seconds spent copying saves", value=c.save_seconds)
+        yield CounterMetricFamily("kvseal_load_bytes", "Bytes copied out of the pool by loads", value=c.load_bytes)
+        yield CounterMetricFamily("kvseal_load_seconds", "Seconds spent copying loads", value=c.load_seconds)
+
+
+class Metrics:
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        self._rpc = Histogram(
+            "kvseal_rpc_seconds",
+            "gRPC handler latency",
+            ["method", "code"],
+            buckets=_RPC_BUCKETS,
+            registry=self.registry,
+        )
+
+    def observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        self._rpc.labels(method, code).observe(seconds)

@@ -1,0 +1,536 @@
+"""Registration, seal and the layout fingerprint (kvseal.core.layout, ARCHITECTURE §2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import random
+from dataclasses import dataclass, replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvseal.core.layout import (
+    InstanceRegistry,
+    LayerGeometry,
+    LayerRegistration,
+    SealedInstance,
+    WorkerRegistration,
+    build_layout,
+)
+from kvseal.errors import FailedPrecondition, InvalidArgument
+
+DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8")
+TAGS = ("cpu_attn.avx512", "cpu_attn.amx", "flash_attn.nhd", "flash_attn.hnd", "mla.latent")
+NAMESPACES = ("default", "llama3-8b", "team/a:prod", "qwen2.5@v1")
+
+PROPERTY_SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ------------------------------------------------------------------------------------------ instance model
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """Everything that defines a valid instance. Node-local facts are drawn when registrations are built."""
+
+    instance_id: str
+    namespace: str
+    tp_size: int
+    pp_size: int
+    block_size: int
+    geometries: tuple[LayerGeometry, ...]
+    stage_of: dict[str, int]  # layer name -> the pp stage that owns it
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def geometry(self, name: str) -> LayerGeometry:
+        return next(g for g in self.geometries if g.name == name)
+
+    def with_geometry(self, name: str, **changes: object) -> InstanceSpec:
+        geometries = tuple(replace(g, **changes) if g.name == name else g for g in self.geometries)
+        return replace(self, geometries=geometries)
+
+
+def layer_registration(g: LayerGeometry, rnd: random.Random) -> LayerRegistration:
+    num_blocks = rnd.randint(1, 5000)
+    block_stride = g.segment_bytes * rnd.randint(1, 3) * (g.segments if rnd.random() < 0.5 else 1)
+    strides: tuple[int, ...] = (block_stride,)
+    if g.segments == 2:
+        strides += (max(g.segment_bytes, block_stride * num_blocks * rnd.randint(0, 1)),)
+    memory = {"handle": rnd.getrandbits(64), "device": rnd.randint(0, 7)}
+    return LayerRegistration(geometry=g, num_blocks=num_blocks, strides=strides, memory=memory)
+
+
+def registrations(spec: InstanceSpec, rnd: random.Random) -> list[WorkerRegistration]:
+    """One registration per worker, with random node-local facts, layer order and worker order."""
+    workers = []
+    for pp_rank in range(spec.pp_size):
+        owned = [g for g in spec.geometries if spec.stage_of[g.name] == pp_rank]
+        for tp_rank in range(spec.tp_size):
+            layers = [layer_registration(g, rnd) for g in owned]
+            rnd.shuffle(layers)
+            workers.append(
+                WorkerRegistration(
+                    instance_id=spec.instance_id,
+                    namespace=spec.namespace,
+                    tp_rank=tp_rank,
+                    tp_size=spec.tp_size,
+                    pp_rank=pp_rank,
+                    world_size=spec.world_size,
+                    block_size=spec.block_size,
+                    layers=tuple(layers),
+                )
+            )
+    rnd.shuffle(workers)
+    return workers
+
+
+def seal_all(workers: list[WorkerRegistration]) -> SealedInstance:
+    """Feeds every registration to a fresh registry; only the last one may seal."""
+    registry = InstanceRegistry(workers[0].instance_id)
+    for i, w in enumerate(workers):
+        sealed = registry.add(w)
+        if i < len(workers) - 1:
+            assert sealed is None
+            assert registry.sealed is None
+    assert sealed is not None and registry.sealed is sealed
+    return sealed
+
+
+def summary(s: SealedInstance) -> tuple[object, ...]:
+    return (s.layer_ids, s.layout.descriptor, s.layout.digest, s.layout.fingerprint, s.namespace_final)
+
+
+def geometry_for(draw: st.DrawFn, name: str) -> LayerGeometry:
+    return LayerGeometry(
+        name=name,
+        dtype=draw(st.sampled_from(DTYPES)),
+        segment_bytes=draw(st.integers(1, 1 << 16)),
+        segments=draw(st.sampled_from((1, 2))),
+        group_id=draw(st.integers(0, 3)),
+        layout_tag=draw(st.sampled_from(TAGS)),
+    )
+
+
+layer_names = st.one_of(
+    st.integers(0, 63).map(lambda i: f"model.layers.{i}.self_attn.attn"),
+    st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789._", min_size=1, max_size=12),
+)
+
+
+def stage_split(draw: st.DrawFn, names: list[str], pp_size: int) -> dict[str, int]:
+    """Each layer owned by exactly one stage, every stage owning at least one layer."""
+    stages = [i % pp_size for i in range(len(names))]
+    order = draw(st.permutations(stages))
+    return dict(zip(names, order, strict=True))
+
+
+@st.composite
+def instance_specs(draw: st.DrawFn) -> InstanceSpec:
+    tp_size = draw(st.integers(1, 4))
+    pp_size = draw(st.integers(1, 2))
+    # at least pp_size + 1 layers, so some stage owns two and a layer can be removed without emptying a stage
+    names = draw(st.lists(layer_names, min_size=pp_size + 1, max_size=7, unique=True))
+    return InstanceSpec(
+        instance_id=draw(st.sampled_from(("inst-a", "inst-b", "node3/vllm:0"))),
+        namespace=draw(st.sampled_from(NAMESPACES)),
+        tp_size=tp_size,
+        pp_size=pp_size,
+        block_size=draw(st.sampled_from((1, 16, 32, 64, 128))),
+        geometries=tuple(geometry_for(draw, name) for name in names),
+        stage_of=stage_split(draw, names, pp_size),
+    )
+
+
+seeds = st.randoms(use_true_random=False)
+
+
+# ------------------------------------------------------------------------------------------ order invariance
+
+
+@PROPERTY_SETTINGS
+@given(spec=instance_specs(), rnd1=seeds, rnd2=seeds)
+def test_any_registration_order_gives_the_same_seal(
+    spec: InstanceSpec, rnd1: random.Random, rnd2: random.Random
+) -> None:
+    a = seal_all(registrations(spec, rnd1))
+    b = seal_all(registrations(spec, rnd2))
+    assert summary(a) == summary(b)
+    assert a.layout == b.layout
+    assert a.layer_ids == {name: i for i, name in enumerate(sorted(g.name for g in spec.geometries))}
+    assert a.namespace_final == f"{spec.namespace}.{a.layout.fingerprint}"
+    assert a.layout.fingerprint == a.layout.digest.hex()[:8]
+    assert a.layout.digest == hashlib.sha256(a.layout.descriptor).digest()
+
+
+@PROPERTY_SETTINGS
+@given(spec=instance_specs(), rnd=seeds)
+def test_layout_facts(spec: InstanceSpec, rnd: random.Random) -> None:
+    workers = registrations(spec, rnd)
+    sealed = seal_all(workers)
+    layout = sealed.layout
+    tp = spec.tp_size
+    assert layout.page_bytes == tp * sum(g.slot_bytes for g in spec.geometries)
+    assert layout.num_slots == tp * len(spec.geometries)
+    offset = 0
+    for layer_id, g in enumerate(layout.layers):
+        assert sealed.layer_ids[g.name] == layer_id
+        for tp_rank in range(tp):
+            slot = layout.slot(layer_id, tp_rank)
+            assert slot == layer_id * tp + tp_rank
+            assert layout.slot_offsets[slot] == offset
+            assert layout.slot_sizes[slot] == g.slot_bytes == g.segments * g.segment_bytes
+            offset += g.slot_bytes
+    assert offset == layout.page_bytes
+    # every (layer, tp_rank) cell is written by exactly one worker
+    masks = [sealed.cell_mask(w.key) for w in workers]
+    full = (1 << layout.num_slots) - 1
+    assert sum(masks) == full
+    union = 0
+    for m in masks:
+        assert m & union == 0
+        union |= m
+    for w in workers:
+        assert sorted(sealed.worker_layer_ids[w.key]) == sorted(sealed.layer_ids[layer.geometry.name] for layer in w.layers)
+
+
+def test_slot_sizes_may_differ_between_layers() -> None:
+    small = LayerGeometry("a.small", "bfloat16", 100, 1, 0, "t")
+    big = LayerGeometry("b.big", "bfloat16", 300, 2, 1, "t")
+    layout = build_layout(16, 2, [big, small])
+    assert layout.slot_sizes == (100, 100, 600, 600)
+    assert layout.slot_offsets == (0, 100, 200, 800)
+    assert layout.page_bytes == 1400
+
+
+# ------------------------------------------------------------------------------------------ what changes it
+
+
+MUTATIONS = (
+    "segment_bytes",
+    "segments",
+    "dtype",
+    "layout_tag",
+    "group_id",
+    "add_mtp_layer",
+    "remove_layer",
+    "block_size",
+    "tp_size",
+)
+
+
+def mutate(spec: InstanceSpec, mutation: str, draw: st.DrawFn) -> InstanceSpec:
+    name = draw(st.sampled_from([g.name for g in spec.geometries]))
+    g = spec.geometry(name)
+    if mutation == "segment_bytes":
+        return spec.with_geometry(name, segment_bytes=draw(st.integers(1, 1 << 16).filter(lambda v: v != g.segment_bytes)))
+    if mutation == "segments":
+        return spec.with_geometry(name, segments=3 - g.segments)
+    if mutation == "dtype":
+        return spec.with_geometry(name, dtype=draw(st.sampled_from([d for d in DTYPES if d != g.dtype])))
+    if mutation == "layout_tag":
+        return spec.with_geometry(name, layout_tag=draw(st.sampled_from([t for t in TAGS if t != g.layout_tag])))
+    if mutation == "group_id":
+        return spec.with_geometry(name, group_id=draw(st.integers(0, 7).filter(lambda v: v != g.group_id)))
+    if mutation == "add_mtp_layer":
+        n = 64
+        while f"model.layers.{n}.self_attn.attn" in spec.stage_of:
+            n += 1
+        drafter = replace(g, name=f"model.layers.{n}.self_attn.attn")
+        return replace(
+            spec,
+            geometries=(*spec.geometries, drafter),
+            stage_of={**spec.stage_of, drafter.name: spec.pp_size - 1},  # the drafter sits in the last stage
+        )
+    if mutation == "remove_layer":
+        per_stage = {s: sum(1 for v in spec.stage_of.values() if v == s) for s in range(spec.pp_size)}
+        removable = sorted(n for n, s in spec.stage_of.items() if per_stage[s] > 1)
+        victim = draw(st.sampled_from(removable))
+        return replace(
+            spec,
+            geometries=tuple(x for x in spec.geometries if x.name != victim),
+            stage_of={k: v for k, v in spec.stage_of.items() if k != victim},
+        )
+    if mutation == "block_size":
+        return replace(spec, block_size=draw(st.sampled_from((1, 8, 16, 32, 256)).filter(lambda v: v != spec.block_size)))
+    if mutation == "tp_size":
+        return replace(spec, tp_size=draw(st.integers(1, 4).filter(lambda v: v != spec.tp_size)))
+    raise AssertionError(mutation)
+
+
+@PROPERTY_SETTINGS
+@given(spec=instance_specs(), mutation=st.sampled_from(MUTATIONS), data=st.data(), rnd1=seeds, rnd2=seeds)
+def test_layout_changes_change_the_fingerprint(
+    spec: InstanceSpec, mutation: str, data: st.DataObject, rnd1: random.Random, rnd2: random.Random
+) -> None:
+    changed = mutate(spec, mutation, data.draw)
+    a = seal_all(registrations(spec, rnd1))
+    b = seal_all(registrations(changed, rnd2))
+    assert a.layout.descriptor != b.layout.descriptor
+    assert a.layout.digest != b.layout.digest
+    assert a.layout.fingerprint != b.layout.fingerprint
+    assert a.namespace_final != b.namespace_final
+
+
+@PROPERTY_SETTINGS
+@given(spec=instance_specs(), data=st.data(), rnd1=seeds, rnd2=seeds)
+def test_node_local_facts_and_pp_split_do_not_change_the_fingerprint(
+    spec: InstanceSpec, data: st.DataObject, rnd1: random.Random, rnd2: random.Random
+) -> None:
+    names = [g.name for g in spec.geometries]
+    pp_size = data.draw(st.integers(1, min(2, len(names))))
+    resplit = replace(spec, pp_size=pp_size, stage_of=stage_split(data.draw, names, pp_size))
+    a = seal_all(registrations(spec, rnd1))
+    b = seal_all(registrations(resplit, rnd2))  # other num_blocks, strides, memory, orders and pp split
+    assert summary(a) == summary(b)
+    assert a.layout == b.layout
+
+
+# ------------------------------------------------------------------------------------------ golden
+
+
+GOLDEN_DESCRIPTOR = (
+    b'{"block_size":16,"format":1,"layers":['
+    b'["model.layers.0.self_attn.attn","bfloat16",16384,2,0,"cpu_attn.avx512"],'
+    b'["model.layers.1.self_attn.attn","bfloat16",16384,2,0,"cpu_attn.avx512"]'
+    b'],"tp_size":2}'
+)
+GOLDEN_DIGEST = "b1f66478659714e7448d0e2a55e1f1a24368096bd668b031854607580f0d943b"
+GOLDEN_FINGERPRINT = "b1f66478"
+
+
+def test_golden_descriptor_and_fingerprint() -> None:
+    """If this fails the descriptor algorithm changed: every stored block would become unreachable."""
+    layers = [
+        LayerGeometry("model.layers.1.self_attn.attn", "bfloat16", 16384, 2, 0, "cpu_attn.avx512"),
+        LayerGeometry("model.layers.0.self_attn.attn", "bfloat16", 16384, 2, 0, "cpu_attn.avx512"),
+    ]
+    layout = build_layout(16, 2, layers)
+    assert layout.descriptor == GOLDEN_DESCRIPTOR
+    assert layout.digest.hex() == GOLDEN_DIGEST
+    assert layout.fingerprint == GOLDEN_FINGERPRINT
+    assert layout.page_bytes == 131072
+    assert layout.slot_offsets == (0, 32768, 65536, 98304)
+    assert build_layout(16, 2, list(reversed(layers))) == layout
+
+
+def test_golden_through_registration() -> None:
+    def reg(tp_rank: int) -> WorkerRegistration:
+        layers = tuple(
+            LayerRegistration(
+                LayerGeometry(f"model.layers.{i}.self_attn.attn", "bfloat16", 16384, 2, 0, "cpu_attn.avx512"),
+                num_blocks=100,
+                strides=(16384, 16384 * 100),
+            )
+            for i in (0, 1)
+        )
+        return WorkerRegistration("vllm-0", "llama", tp_rank, 2, 0, 2, 16, layers)
+
+    sealed = seal_all([reg(1), reg(0)])
+    assert sealed.namespace_final == f"llama.{GOLDEN_FINGERPRINT}"
+    assert sealed.layout.digest.hex() == GOLDEN_DIGEST
+
+
+# ------------------------------------------------------------------------------------------ seal errors
+
+
+def geo(name: str, segment_bytes: int = 1024, **kw: object) -> LayerGeometry:
+    fields = {"dtype": "bfloat16", "segments": 2, "group_id": 0, "layout_tag": "cpu_attn.avx512", **kw}
+    return LayerGeometry(name, segment_bytes=segment_bytes, **fields)  # type: ignore[arg-type]
+
+
+def lreg(g: LayerGeometry, num_blocks: int = 64) -> LayerRegistration:
+    strides = (g.segment_bytes,) if g.segments == 1 else (g.segment_bytes, g.segment_bytes * num_blocks)
+    return LayerRegistration(g, num_blocks=num_blocks, strides=strides)
+
+
+def wreg(
+    tp_rank: int,
+    layers: list[LayerGeometry],
+    *,
+    tp_size: int = 2,
+    pp_rank: int = 0,
+    world_size: int = 2,
+    block_size: int = 16,
+    instance_id: str = "inst",
+    namespace: str = "ns",
+) -> WorkerRegistration:
+    return WorkerRegistration(
+        instance_id, namespace, tp_rank, tp_size, pp_rank, world_size, block_size, tuple(lreg(g) for g in layers)
+    )
+
+
+L0, L1, L2 = geo("model.layers.0.attn"), geo("model.layers.1.attn"), geo("model.layers.2.attn")
+
+
+def assert_unchanged(registry: InstanceRegistry, workers: dict[tuple[int, int], WorkerRegistration]) -> None:
+    assert registry.sealed is None
+    assert registry.workers == workers
+
+
+def test_missing_owner_names_layer_and_rank_and_retry_seals() -> None:
+    registry = InstanceRegistry("inst")
+    good0 = wreg(0, [L0, L1, L2])
+    assert registry.add(good0) is None
+    before = dict(registry.workers)
+    with pytest.raises(FailedPrecondition) as exc:
+        registry.add(wreg(1, [L0, L2]))  # tp_rank 1 forgot layer 1
+    assert "model.layers.1.attn" in str(exc.value)
+    assert "tp_rank 1" in str(exc.value)
+    assert exc.value.status == "FAILED_PRECONDITION"
+    assert_unchanged(registry, before)
+    assert registry.progress() == "1/2 workers registered"
+    sealed = registry.add(wreg(1, [L2, L1, L0]))
+    assert sealed is not None and registry.sealed is sealed
+    assert sealed.layer_ids == {"model.layers.0.attn": 0, "model.layers.1.attn": 1, "model.layers.2.attn": 2}
+
+
+@pytest.mark.parametrize(
+    ("field_name", "changes"),
+    [
+        ("segment_bytes", {"segment_bytes": 2048}),
+        ("segments", {"segments": 1}),
+        ("dtype", {"dtype": "float16"}),
+        ("group_id", {"group_id": 1}),
+        ("layout_tag", {"layout_tag": "cpu_attn.amx"}),
+    ],
+)
+def test_inconsistent_geometry_names_the_field(field_name: str, changes: dict[str, object]) -> None:
+    registry = InstanceRegistry("inst")
+    registry.add(wreg(0, [L0, L1]))
+    before = dict(registry.workers)
+    with pytest.raises(FailedPrecondition) as exc:
+        registry.add(wreg(1, [L0, replace(L1, **changes)]))
+    message = str(exc.value)
+    assert field_name in message
+    assert "model.layers.1.attn" in message
+    assert "tp_rank 1" in message and "tp_rank 0" in message
+    assert_unchanged(registry, before)
+    assert registry.add(wreg(1, [L0, L1])) is not None
+
+
+@pytest.mark.parametrize(
+    ("field_name", "kw"),
+    [("block_size", {"block_size": 32}), ("namespace", {"namespace": "other"}), ("world_size", {"world_size": 4})],
+)
+def test_instance_wide_disagreement_names_the_field(field_name: str, kw: dict[str, object]) -> None:
+    registry = InstanceRegistry("inst")
+    registry.add(wreg(0, [L0]))
+    before = dict(registry.workers)
+    with pytest.raises(FailedPrecondition, match=field_name):
+        registry.add(wreg(1, [L0], **kw))  # type: ignore[arg-type]
+    assert_unchanged(registry, before)
+    assert registry.add(wreg(1, [L0])) is not None
+
+
+def test_same_layer_from_two_pipeline_stages_is_refused() -> None:
+    registry = InstanceRegistry("inst")
+    kw = {"tp_size": 1, "world_size": 2}
+    registry.add(wreg(0, [L0, L1], pp_rank=0, **kw))  # type: ignore[arg-type]
+    before = dict(registry.workers)
+    with pytest.raises(FailedPrecondition) as exc:
+        registry.add(wreg(0, [L1, L2], pp_rank=1, **kw))  # type: ignore[arg-type]
+    assert "pipeline stage" in str(exc.value)
+    assert "model.layers.1.attn" in str(exc.value)
+    assert_unchanged(registry, before)
+    sealed = registry.add(wreg(0, [L2], pp_rank=1, **kw))  # type: ignore[arg-type]
+    assert sealed is not None
+    assert sealed.worker_layer_ids == {(0, 0): (0, 1), (0, 1): (2,)}
+
+
+def test_failed_seal_when_the_faulty_worker_arrived_first() -> None:
+    registry = InstanceRegistry("inst")
+    bad1 = wreg(1, [L0])
+    registry.add(bad1)
+    with pytest.raises(FailedPrecondition, match="tp_rank 1"):
+        registry.add(wreg(0, [L0, L1]))
+    assert_unchanged(registry, {(1, 0): bad1})
+    assert registry.add(wreg(1, [L0, L1])) is None  # replaces the faulty registration
+    assert registry.add(wreg(0, [L0, L1])) is not None
+
+
+def test_reregistration_replaces_and_remove_unseals() -> None:
+    registry = InstanceRegistry("inst")
+    registry.add(wreg(0, [L0, L1]))
+    first = registry.add(wreg(1, [L0, L1]))
+    assert first is not None
+    again = registry.add(wreg(1, [L1, L0]))  # the same worker registering again: still sealed, same layout
+    assert again is not None and again.layout == first.layout and len(registry.workers) == 2
+    assert registry.remove((1, 0)) is True
+    assert registry.sealed is None
+    assert registry.progress() == "1/2 workers registered"
+    assert registry.remove((1, 0)) is False
+    resealed = registry.add(wreg(1, [L0, L1]))
+    assert resealed is not None and resealed.namespace_final == first.namespace_final
+
+
+def _layer(i: int = 0, *, num_blocks: int = 64, strides: tuple[int, ...] = (1024, 65536)) -> LayerRegistration:
+    return LayerRegistration(geo(f"model.layers.{i}.attn"), num_blocks=num_blocks, strides=strides)
+
+
+def _bad_geometry(**changes: object) -> tuple[LayerRegistration, ...]:
+    g = replace(geo("model.layers.0.attn"), **changes)
+    strides = (4096,) if g.segments == 1 else (4096, 4096 * 64)
+    return (LayerRegistration(g, num_blocks=64, strides=strides),)
+
+
+BASE = wreg(0, [L0, L1])
+
+BAD_FIELDS = [
+    ("instance_id", {"instance_id": ""}),
+    ("instance_id", {"instance_id": "has space"}),
+    ("namespace", {"namespace": ""}),
+    ("namespace", {"namespace": "bad namespace!"}),
+    ("tp_size", {"tp_size": 0}),
+    ("tp_rank", {"tp_rank": 2}),
+    ("tp_rank", {"tp_rank": 5}),
+    ("world_size", {"world_size": 3}),
+    ("world_size", {"world_size": 0}),
+    ("pp_rank", {"pp_rank": 1}),
+    ("pp_rank", {"pp_rank": 2, "world_size": 4}),
+    ("block_size", {"block_size": 0}),
+    ("layers", {"layers": ()}),
+    ("layers[1].name", {"layers": (_layer(0), _layer(0))}),
+    ("layers[0].segments", {"layers": _bad_geometry(segments=3)}),
+    ("layers[0].strides", {"layers": (_layer(0, strides=(1024,)),)}),
+    ("layers[0].strides", {"layers": (_layer(0, strides=(1024, 65536, 1)),)}),
+    ("layers[0].segment_bytes", {"layers": _bad_geometry(segment_bytes=0)}),
+    ("layers[0].strides[0]", {"layers": (_layer(0, strides=(512, 65536)),)}),
+    ("layers[0].strides[1]", {"layers": (_layer(0, strides=(2048, 512)),)}),
+    ("layers[0].num_blocks", {"layers": (_layer(0, num_blocks=0),)}),
+    ("layers[0].dtype", {"layers": _bad_geometry(dtype="torch.bfloat16")}),
+    ("layers[0].dtype", {"layers": _bad_geometry(dtype="BF16")}),
+    ("layers[0].dtype", {"layers": _bad_geometry(dtype="")}),
+    ("layers[0].name", {"layers": _bad_geometry(name="has space")}),
+    ("layers[0].layout_tag", {"layers": _bad_geometry(layout_tag="")}),
+    ("layers[0].group_id", {"layers": _bad_geometry(group_id=2**32)}),
+]
+
+
+@pytest.mark.parametrize(("field_name", "changes"), BAD_FIELDS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_FIELDS)])
+def test_field_validation_names_the_field(field_name: str, changes: dict[str, object]) -> None:
+    registry = InstanceRegistry("inst")
+    registry.add(wreg(1, [L0, L1]))
+    before = dict(registry.workers)
+    with pytest.raises(InvalidArgument) as exc:
+        registry.add(dataclasses.replace(BASE, **changes))  # type: ignore[arg-type]
+    assert field_name in str(exc.value)
+    assert exc.value.status == "INVALID_ARGUMENT"
+    assert_unchanged(registry, before)
+
+
+def test_single_block_layer_may_have_any_block_stride() -> None:
+    layer = _layer(0, num_blocks=1, strides=(0, 1024))
+    sealed = InstanceRegistry("inst").add(replace(BASE, tp_size=1, world_size=1, layers=(layer,)))
+    assert sealed is not None
+
+
+def test_registration_for_another_instance_is_refused() -> None:
+    registry = InstanceRegistry("other")
+    with pytest.raises(InvalidArgument, match="instance_id"):
+        registry.add(BASE)
+    assert registry.workers == {} and registry.sealed is None
