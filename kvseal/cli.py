@@ -9,8 +9,22 @@ import re
 import signal
 import sys
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
 
 
 def parse_size(text: str) -> int:
@@ -69,8 +83,10 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     signal.signal(signal.SIGINT, lambda *_: server.request_stop())
     where = cfg.listen if cfg.listen.startswith("unix:") else f"{cfg.listen.rsplit(':', 1)[0]}:{server.port}"
-    print(f"kvseal engine serving gRPC on {where}, HTTP on port {server.http_port}, pool {cfg.pool_bytes} bytes",
-          flush=True)
+    print(
+        f"kvseal engine serving gRPC on {where}, HTTP on port {server.http_port}, pool {cfg.pool_bytes} bytes",
+        flush=True,
+    )
     server.wait()
     server.stop()
     return 0

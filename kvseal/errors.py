@@ -53,8 +53,15 @@ class DeadlineExceeded(KvsealError):
 
 def error_for_status(status: str, message: str) -> KvsealError:
     """The exception a client raises for a gRPC status name."""
-    for cls in (InvalidArgument, FailedPrecondition, NotFound, ResourceExhausted, Unauthenticated, Unavailable,
-                DeadlineExceeded):
+    for cls in (
+        InvalidArgument,
+        FailedPrecondition,
+        NotFound,
+        ResourceExhausted,
+        Unauthenticated,
+        Unavailable,
+        DeadlineExceeded,
+    ):
         if cls.status == status:
             return cls(message)
     err = KvsealError(f"{status}: {message}")

@@ -111,8 +111,7 @@ def validate_registration(reg: WorkerRegistration) -> None:
         raise InvalidArgument(f"tp_rank {reg.tp_rank} must be below tp_size {reg.tp_size}")
     if not 1 <= reg.world_size <= MAX_WORLD_SIZE or reg.world_size % reg.tp_size:
         raise InvalidArgument(
-            f"world_size must be a positive multiple of tp_size {reg.tp_size} (tp_size x pp_size), "
-            f"got {reg.world_size}"
+            f"world_size must be a positive multiple of tp_size {reg.tp_size} (tp_size x pp_size), got {reg.world_size}"
         )
     if reg.pp_rank >= reg.world_size // reg.tp_size:
         raise InvalidArgument(

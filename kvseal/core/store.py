@@ -514,9 +514,7 @@ class BlockStore:
             self._evict(victim)
             return True
         # Nothing evictable in this class: empty the emptiest slab of another class whose pages are all evictable.
-        candidates = [
-            s for s in range(self.n_slabs) if self._slab_class[s] not in (-1, c) and self._slab_busy[s] == 0
-        ]
+        candidates = [s for s in range(self.n_slabs) if self._slab_class[s] not in (-1, c) and self._slab_busy[s] == 0]
         if not candidates:
             return False
         slab = min(candidates, key=self._slab_used.__getitem__)

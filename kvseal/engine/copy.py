@@ -129,8 +129,15 @@ def _build_run(run: list[SlotSource], arena: np.ndarray) -> tuple[Any, Any, bool
         )
         return src, dst, True
     word = 8
-    for v in (first.src_offset, first.block_stride, first.segment_stride, first.segment_bytes, src_delta,
-              first.dst_offset, dst_delta):
+    for v in (
+        first.src_offset,
+        first.block_stride,
+        first.segment_stride,
+        first.segment_bytes,
+        src_delta,
+        first.dst_offset,
+        dst_delta,
+    ):
         if v % 8:
             word = 1
             break

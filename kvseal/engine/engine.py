@@ -215,7 +215,9 @@ class Engine:
         with self._lock:
             inst = self._instances.get(worker[0])
             if inst is None or (worker[1], worker[2]) not in inst.workers:
-                raise NotFound(f"worker tp_rank {worker[1]} pp_rank {worker[2]} of instance {worker[0]!r} is not registered")
+                raise NotFound(
+                    f"worker tp_rank {worker[1]} pp_rank {worker[2]} of instance {worker[0]!r} is not registered"
+                )
             return self._drop(inst, (worker[1], worker[2]))
 
     def _drop(self, inst: _Instance, key: tuple[int, int]) -> int:

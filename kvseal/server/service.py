@@ -80,9 +80,7 @@ class EngineService(pb_grpc.EngineServicer):
     @_rpc
     def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadResponse:
         r = self.engine.load(_worker(request), request.block_hashes, request.block_ids, request.lease_id)
-        return pb.LoadResponse(
-            outcome=_OUTCOMES[r.outcome], loaded=r.loaded, reason=r.reason, message=r.message
-        )
+        return pb.LoadResponse(outcome=_OUTCOMES[r.outcome], loaded=r.loaded, reason=r.reason, message=r.message)
 
     @_rpc
     def Query(self, request: pb.QueryRequest, context: grpc.ServicerContext) -> pb.QueryResponse:
