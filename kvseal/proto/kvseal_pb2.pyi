@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -17,7 +15,7 @@ class ShmHandle(_message.Message):
     path: str
     offset: int
     size: int
-    def __init__(self, path: str | None = ..., offset: int | None = ..., size: int | None = ...) -> None: ...
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("device", "handle", "storage_size", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "offset")
@@ -39,7 +37,7 @@ class CudaIpcHandle(_message.Message):
     event_handle: bytes
     event_sync_required: bool
     offset: int
-    def __init__(self, device: int | None = ..., handle: bytes | None = ..., storage_size: int | None = ..., storage_offset: int | None = ..., ref_counter_handle: bytes | None = ..., ref_counter_offset: int | None = ..., event_handle: bytes | None = ..., event_sync_required: bool | None = ..., offset: int | None = ...) -> None: ...
+    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class MemoryHandle(_message.Message):
     __slots__ = ("shm", "cuda")
@@ -47,7 +45,7 @@ class MemoryHandle(_message.Message):
     CUDA_FIELD_NUMBER: _ClassVar[int]
     shm: ShmHandle
     cuda: CudaIpcHandle
-    def __init__(self, shm: ShmHandle | _Mapping | None = ..., cuda: CudaIpcHandle | _Mapping | None = ...) -> None: ...
+    def __init__(self, shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class LayerSpec(_message.Message):
     __slots__ = ("name", "dtype", "segment_bytes", "segments", "group_id", "layout_tag", "num_blocks", "strides", "memory")
@@ -69,7 +67,7 @@ class LayerSpec(_message.Message):
     num_blocks: int
     strides: _containers.RepeatedScalarFieldContainer[int]
     memory: MemoryHandle
-    def __init__(self, name: str | None = ..., dtype: str | None = ..., segment_bytes: int | None = ..., segments: int | None = ..., group_id: int | None = ..., layout_tag: str | None = ..., num_blocks: int | None = ..., strides: _Iterable[int] | None = ..., memory: MemoryHandle | _Mapping | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., group_id: _Optional[int] = ..., layout_tag: _Optional[str] = ..., num_blocks: _Optional[int] = ..., strides: _Optional[_Iterable[int]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ...) -> None: ...
 
 class WorkerId(_message.Message):
     __slots__ = ("instance_id", "tp_rank", "pp_rank")
@@ -79,7 +77,7 @@ class WorkerId(_message.Message):
     instance_id: str
     tp_rank: int
     pp_rank: int
-    def __init__(self, instance_id: str | None = ..., tp_rank: int | None = ..., pp_rank: int | None = ...) -> None: ...
+    def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ...) -> None: ...
 
 class InstanceStatus(_message.Message):
     __slots__ = ("sealed", "registered", "world_size", "namespace_final", "fingerprint", "digest", "num_layers", "page_bytes")
@@ -99,7 +97,7 @@ class InstanceStatus(_message.Message):
     digest: str
     num_layers: int
     page_bytes: int
-    def __init__(self, sealed: bool | None = ..., registered: int | None = ..., world_size: int | None = ..., namespace_final: str | None = ..., fingerprint: str | None = ..., digest: str | None = ..., num_layers: int | None = ..., page_bytes: int | None = ...) -> None: ...
+    def __init__(self, sealed: _Optional[bool] = ..., registered: _Optional[int] = ..., world_size: _Optional[int] = ..., namespace_final: _Optional[str] = ..., fingerprint: _Optional[str] = ..., digest: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("instance_id", "namespace", "tp_rank", "tp_size", "pp_rank", "world_size", "block_size", "layers")
@@ -119,13 +117,13 @@ class RegisterRequest(_message.Message):
     world_size: int
     block_size: int
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
-    def __init__(self, instance_id: str | None = ..., namespace: str | None = ..., tp_rank: int | None = ..., tp_size: int | None = ..., pp_rank: int | None = ..., world_size: int | None = ..., block_size: int | None = ..., layers: _Iterable[LayerSpec | _Mapping] | None = ...) -> None: ...
+    def __init__(self, instance_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("status",)
     STATUS_FIELD_NUMBER: _ClassVar[int]
     status: InstanceStatus
-    def __init__(self, status: InstanceStatus | _Mapping | None = ...) -> None: ...
+    def __init__(self, status: _Optional[_Union[InstanceStatus, _Mapping]] = ...) -> None: ...
 
 class SaveRequest(_message.Message):
     __slots__ = ("worker", "block_hashes", "block_ids")
@@ -135,7 +133,7 @@ class SaveRequest(_message.Message):
     worker: WorkerId
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker: WorkerId | _Mapping | None = ..., block_hashes: _Iterable[bytes] | None = ..., block_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
     __slots__ = ("written", "skipped", "not_stored", "completed", "namespace_final")
@@ -149,7 +147,7 @@ class SaveResponse(_message.Message):
     not_stored: int
     completed: int
     namespace_final: str
-    def __init__(self, written: int | None = ..., skipped: int | None = ..., not_stored: int | None = ..., completed: int | None = ..., namespace_final: str | None = ...) -> None: ...
+    def __init__(self, written: _Optional[int] = ..., skipped: _Optional[int] = ..., not_stored: _Optional[int] = ..., completed: _Optional[int] = ..., namespace_final: _Optional[str] = ...) -> None: ...
 
 class QueryRequest(_message.Message):
     __slots__ = ("instance_id", "block_hashes", "request_id", "lease_ttl_ms")
@@ -161,7 +159,7 @@ class QueryRequest(_message.Message):
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     request_id: str
     lease_ttl_ms: int
-    def __init__(self, instance_id: str | None = ..., block_hashes: _Iterable[bytes] | None = ..., request_id: str | None = ..., lease_ttl_ms: int | None = ...) -> None: ...
+    def __init__(self, instance_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., request_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class QueryResponse(_message.Message):
     __slots__ = ("hits", "lease_id", "loading", "namespace_final", "lease_ttl_ms")
@@ -175,7 +173,7 @@ class QueryResponse(_message.Message):
     loading: bool
     namespace_final: str
     lease_ttl_ms: int
-    def __init__(self, hits: int | None = ..., lease_id: int | None = ..., loading: bool | None = ..., namespace_final: str | None = ..., lease_ttl_ms: int | None = ...) -> None: ...
+    def __init__(self, hits: _Optional[int] = ..., lease_id: _Optional[int] = ..., loading: _Optional[bool] = ..., namespace_final: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("worker", "block_hashes", "block_ids", "lease_id")
@@ -187,7 +185,7 @@ class LoadRequest(_message.Message):
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     lease_id: int
-    def __init__(self, worker: WorkerId | _Mapping | None = ..., block_hashes: _Iterable[bytes] | None = ..., block_ids: _Iterable[int] | None = ..., lease_id: int | None = ...) -> None: ...
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
     __slots__ = ("outcome", "loaded", "reason", "message")
@@ -209,7 +207,7 @@ class LoadResponse(_message.Message):
     loaded: int
     reason: str
     message: str
-    def __init__(self, outcome: LoadResponse.Outcome | str | None = ..., loaded: int | None = ..., reason: str | None = ..., message: str | None = ...) -> None: ...
+    def __init__(self, outcome: _Optional[_Union[LoadResponse.Outcome, str]] = ..., loaded: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("instance_id", "lease_id")
@@ -217,7 +215,7 @@ class ReleaseRequest(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     lease_id: int
-    def __init__(self, instance_id: str | None = ..., lease_id: int | None = ...) -> None: ...
+    def __init__(self, instance_id: _Optional[str] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
@@ -227,22 +225,22 @@ class UnregisterRequest(_message.Message):
     __slots__ = ("worker",)
     WORKER_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerId
-    def __init__(self, worker: WorkerId | _Mapping | None = ...) -> None: ...
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ...) -> None: ...
 
 class UnregisterResponse(_message.Message):
     __slots__ = ("remaining_workers",)
     REMAINING_WORKERS_FIELD_NUMBER: _ClassVar[int]
     remaining_workers: int
-    def __init__(self, remaining_workers: int | None = ...) -> None: ...
+    def __init__(self, remaining_workers: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("worker",)
     WORKER_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerId
-    def __init__(self, worker: WorkerId | _Mapping | None = ...) -> None: ...
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("status",)
     STATUS_FIELD_NUMBER: _ClassVar[int]
     status: InstanceStatus
-    def __init__(self, status: InstanceStatus | _Mapping | None = ...) -> None: ...
+    def __init__(self, status: _Optional[_Union[InstanceStatus, _Mapping]] = ...) -> None: ...

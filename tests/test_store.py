@@ -1,0 +1,712 @@
+"""The block store (kvseal.core.store): pages, leases, eviction and accounting, on a FakeClock."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvseal.core.layout import LayerGeometry, Layout, build_layout
+from kvseal.core.store import INFLIGHT, SEALED, BlockStore, LoadPlan, SavePlan
+from kvseal.errors import NotFound
+from kvseal.testing.clock import FakeClock
+
+INFLIGHT_TIMEOUT = 60.0
+LEASE_TTL = 30.0
+
+
+def geo(name: str, segment_bytes: int, segments: int = 1, dtype: str = "bfloat16") -> LayerGeometry:
+    return LayerGeometry(name, dtype, segment_bytes, segments, 0, "cpu_attn.avx512")
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def mask(layout: Layout, tp_rank: int) -> int:
+    """The cells a worker of `tp_rank` writes when it holds every layer (no pipeline split)."""
+    return sum(1 << layout.slot(layer_id, tp_rank) for layer_id in range(len(layout.layers)))
+
+
+def make_store(arena: int, slab: int, clock: FakeClock) -> BlockStore:
+    return BlockStore(
+        arena,
+        slab_bytes=slab,
+        clock=clock,
+        wall_clock=lambda: 1.7e9,
+        inflight_timeout_s=INFLIGHT_TIMEOUT,
+        lease_ttl_s=LEASE_TTL,
+    )
+
+
+def save(store: BlockStore, ns: int, layout: Layout, hashes: list[bytes], tp_rank: int = 0) -> SavePlan:
+    plan = store.begin_save(ns, layout, hashes, mask(layout, tp_rank))
+    store.finish_save(plan, ok=True)
+    return plan
+
+
+def resident(store: BlockStore, ns: int) -> dict[bytes, int]:
+    """hash -> state, for every page in the namespace's index."""
+    return {k: store._state[pid] for k, pid in store._namespaces[ns].index.items()}
+
+
+def check(store: BlockStore) -> None:
+    store.check_invariants()
+    s = store.statistics()
+    assert s.free_bytes + s.inflight_bytes + s.sealed_bytes == s.arena_bytes
+
+
+# One layer, two tp ranks: a 2048-byte page (cells: bit 0 = tp_rank 0, bit 1 = tp_rank 1).
+TP2 = build_layout(16, 2, [geo("model.layers.0.attn", 1024)])
+# One layer, one rank: a 1024-byte page; a 4096-byte slab holds 4 of them.
+TP1 = build_layout(16, 1, [geo("model.layers.0.attn", 1024)])
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+# ------------------------------------------------------------------------------------------ save and query
+
+
+def test_two_workers_seal_a_page_only_when_every_cell_is_written(clock: FakeClock) -> None:
+    store = make_store(1 << 16, 1 << 14, clock)
+    ns = store.namespace("m.x", TP2)
+    hashes = [h(1), h(2)]
+
+    p0 = store.begin_save(ns, TP2, hashes, mask(TP2, 0))
+    assert [e[0] for e in p0.entries] == [0, 1] and p0.skipped == 0 and p0.not_stored == 0
+    assert store.finish_save(p0, ok=True) == 0
+    assert resident(store, ns) == {h(1): INFLIGHT, h(2): INFLIGHT}
+    assert store.query(ns, TP2, hashes, "inst", 2).hits == 0  # inflight pages are not hits
+    assert store.statistics().inflight_blocks == 2 and store.statistics().inflight_bytes == 2 * 2048
+    check(store)
+
+    again = store.begin_save(ns, TP2, hashes, mask(TP2, 0))  # worker 0's cells are already written
+    assert again.entries == () and again.skipped == 2
+
+    p1 = store.begin_save(ns, TP2, [h(1)], mask(TP2, 1))
+    assert [(i, pid) for i, pid, _ in p1.entries] == [(0, p0.entries[0][1])]  # the same page
+    assert store.finish_save(p1, ok=True) == 1
+    assert resident(store, ns) == {h(1): SEALED, h(2): INFLIGHT}
+    q = store.query(ns, TP2, hashes, "inst", 2)
+    assert q.hits == 1 and q.lease_id != 0
+    store.release(q.lease_id, "inst")
+
+    assert store.finish_save(store.begin_save(ns, TP2, [h(2)], mask(TP2, 1)), ok=True) == 1
+    assert store.query(ns, TP2, hashes, "inst", 2).hits == 2
+    s = store.statistics()
+    assert (s.resident_blocks, s.inflight_blocks, s.sealed_bytes, s.inflight_bytes) == (2, 0, 4096, 0)
+    check(store)
+
+
+def test_query_counts_leading_sealed_hashes_only(clock: FakeClock) -> None:
+    store = make_store(1 << 16, 1 << 14, clock)
+    ns = store.namespace("m.x", TP2)
+    save(store, ns, TP2, [h(1), h(3)], 0)
+    save(store, ns, TP2, [h(1), h(3)], 1)
+    store.begin_save(ns, TP2, [h(2)], mask(TP2, 0))  # h2 stays inflight
+    assert store.query(ns, TP2, [h(1), h(2), h(3)], "inst", 2).hits == 1
+    assert store.query(ns, TP2, [h(1), h(3), h(2)], "inst", 2).hits == 2
+    miss = store.query(ns, TP2, [h(2), h(1)], "inst", 2)
+    assert miss.hits == 0 and miss.lease_id == 0
+    assert store.query(ns, TP2, [h(9), h(1)], "inst", 2).hits == 0
+    stats = store.namespace_stats()[ns][0]
+    assert (stats.hits, stats.misses) == (3, 2 + 1 + 2 + 2)
+    assert stats.last_used == 1.7e9
+    check(store)
+
+
+def test_resaving_a_sealed_hash_is_skipped(clock: FakeClock) -> None:
+    store = make_store(1 << 16, 1 << 14, clock)
+    ns = store.namespace("m.x", TP1)
+    save(store, ns, TP1, [h(1), h(2)])
+    before = store.statistics()
+    plan = store.begin_save(ns, TP1, [h(1), h(2), h(3)], 1)
+    assert plan.skipped == 2 and [e[0] for e in plan.entries] == [2]
+    assert store.finish_save(plan, ok=True) == 1
+    assert store.statistics().resident_blocks == before.resident_blocks + 1
+    # another instance with the same layout shares the final namespace: its save is a no-op
+    assert store.namespace("m.x", TP1) == ns
+    dedup = store.begin_save(ns, TP1, [h(1), h(2), h(3)], 1)
+    assert dedup.entries == () and dedup.skipped == 3
+    check(store)
+
+
+def test_failed_save_with_nothing_written_frees_the_page(clock: FakeClock) -> None:
+    store = make_store(1 << 16, 1 << 14, clock)
+    ns = store.namespace("m.x", TP2)
+    plan = store.begin_save(ns, TP2, [h(1)], mask(TP2, 0))
+    assert store.finish_save(plan, ok=False) == 0
+    assert resident(store, ns) == {}
+    assert store.statistics().free_bytes == store.arena_bytes
+    check(store)
+
+
+def test_duplicate_hash_in_one_request(clock: FakeClock) -> None:
+    store = make_store(1 << 16, 1 << 14, clock)
+    ns = store.namespace("m.x", TP1)
+    plan = store.begin_save(ns, TP1, [h(1), h(1)], 1)
+    assert len(plan.entries) == 2 and plan.entries[0][1] == plan.entries[1][1]
+    assert store.finish_save(plan, ok=True) == 1
+    assert resident(store, ns) == {h(1): SEALED}
+    failed = store.begin_save(ns, TP1, [h(2), h(2)], 1)
+    assert store.finish_save(failed, ok=False) == 0
+    assert h(2) not in resident(store, ns)
+    check(store)
+
+
+# ------------------------------------------------------------------------------------------ inflight timeout
+
+
+def test_inflight_page_is_reclaimed_after_the_timeout(clock: FakeClock) -> None:
+    store = make_store(1 << 16, 1 << 14, clock)
+    ns = store.namespace("m.x", TP2)
+    store.finish_save(store.begin_save(ns, TP2, [h(1)], mask(TP2, 0)), ok=True)  # tp_rank 1 never comes
+    clock.advance(INFLIGHT_TIMEOUT - 1)
+    store.expire()
+    assert resident(store, ns) == {h(1): INFLIGHT}
+    clock.advance(1)
+    store.expire()
+    assert resident(store, ns) == {}
+    s = store.statistics()
+    assert s.inflight_reclaimed == 1 and s.inflight_blocks == 0 and s.free_bytes == s.arena_bytes
+    check(store)
+
+
+def test_inflight_page_with_a_writer_is_not_reclaimed(clock: FakeClock) -> None:
+    store = make_store(1 << 16, 1 << 14, clock)
+    ns = store.namespace("m.x", TP2)
+    writing = store.begin_save(ns, TP2, [h(1)], mask(TP2, 0))  # still copying
+    clock.advance(3 * INFLIGHT_TIMEOUT)
+    store.expire()
+    assert resident(store, ns) == {h(1): INFLIGHT}
+    assert store.statistics().inflight_reclaimed == 0
+    assert store.finish_save(writing, ok=True) == 0
+    assert resident(store, ns) == {h(1): INFLIGHT}
+    store.expire()  # no writer left and past the deadline
+    assert resident(store, ns) == {}
+    assert store.statistics().inflight_reclaimed == 1
+    check(store)
+
+
+def test_save_after_the_timeout_starts_a_fresh_page(clock: FakeClock) -> None:
+    store = make_store(1 << 16, 1 << 14, clock)
+    ns = store.namespace("m.x", TP2)
+    store.finish_save(store.begin_save(ns, TP2, [h(1)], mask(TP2, 0)), ok=True)
+    clock.advance(INFLIGHT_TIMEOUT + 1)
+    late = store.begin_save(ns, TP2, [h(1)], mask(TP2, 1))  # expires the stale page first
+    assert store.finish_save(late, ok=True) == 0  # tp_rank 0's cells went with the reclaimed page
+    assert resident(store, ns) == {h(1): INFLIGHT}
+    assert store.finish_save(store.begin_save(ns, TP2, [h(1)], mask(TP2, 0)), ok=True) == 1
+    check(store)
+
+
+# ------------------------------------------------------------------------------------------ leases
+
+
+@pytest.fixture
+def full_pool(clock: FakeClock) -> tuple[BlockStore, int]:
+    """A one-slab pool of exactly four 1024-byte pages, holding h0..h3 (h0 least recently used)."""
+    store = make_store(4096, 4096, clock)
+    ns = store.namespace("m.x", TP1)
+    for i in range(4):
+        save(store, ns, TP1, [h(i)])
+    assert store.lru_order(TP1.page_bytes) == [h(0), h(1), h(2), h(3)]
+    assert store.statistics().free_bytes == 0
+    return store, ns
+
+
+def evicts(store: BlockStore, ns: int, new: bytes) -> set[bytes]:
+    before = set(resident(store, ns))
+    plan = save(store, ns, TP1, [new])
+    assert plan.not_stored == 0
+    return before - set(resident(store, ns))
+
+
+def test_a_lease_pins_its_pages(full_pool: tuple[BlockStore, int]) -> None:
+    store, ns = full_pool
+    lease = store.query(ns, TP1, [h(0), h(1)], "inst", 1)
+    assert lease.hits == 2
+    s = store.statistics()
+    assert (s.pinned_blocks, s.pinned_bytes, s.leases) == (2, 2048, 1)
+    assert store.lru_order(TP1.page_bytes) == [h(2), h(3)]  # pinned pages are out of the LRU
+    assert evicts(store, ns, h(10)) == {h(2)}
+    assert evicts(store, ns, h(11)) == {h(3)}
+    assert evicts(store, ns, h(12)) == {h(10)}
+    check(store)
+    store.release(lease.lease_id, "inst")
+    assert store.statistics().pinned_blocks == 0
+    assert store.lru_order(TP1.page_bytes) == [h(11), h(12), h(0), h(1)]  # released pages are most recent
+    assert evicts(store, ns, h(13)) == {h(11)}
+    check(store)
+
+
+def test_release_of_unknown_or_foreign_lease_is_not_found(full_pool: tuple[BlockStore, int]) -> None:
+    store, ns = full_pool
+    with pytest.raises(NotFound, match="lease_id 12345"):
+        store.release(12345, "inst")
+    lease = store.query(ns, TP1, [h(0)], "inst", 1)
+    with pytest.raises(NotFound):
+        store.release(lease.lease_id, "someone-else")
+    assert store.lease(lease.lease_id) is not None
+    store.release(lease.lease_id, "inst")
+    with pytest.raises(NotFound) as exc:
+        store.release(lease.lease_id, "inst")  # twice
+    assert exc.value.status == "NOT_FOUND"
+    check(store)
+
+
+def test_a_lease_ends_when_every_worker_consumed_its_share(full_pool: tuple[BlockStore, int]) -> None:
+    store, ns = full_pool
+    lease = store.query(ns, TP1, [h(0), h(1)], "inst", shares=2)
+    plan = store.begin_load(ns, TP1, [h(0), h(1)], lease_id=lease.lease_id, owner="inst", worker_key=(0, 0))
+    assert plan.outcome == "loaded" and plan.lease_id == lease.lease_id
+    assert [pid for pid, _ in plan.entries] == [store._namespaces[ns].index[h(0)], store._namespaces[ns].index[h(1)]]
+    store.finish_load(plan)
+    assert store.lease(lease.lease_id) is not None
+    # the same worker loading again does not count twice
+    store.finish_load(store.begin_load(ns, TP1, [h(0)], lease_id=lease.lease_id, owner="inst", worker_key=(0, 0)))
+    assert store.lease(lease.lease_id) is not None
+    assert store.statistics().pinned_blocks == 2
+    # another instance cannot consume it
+    foreign = store.begin_load(ns, TP1, [h(0)], lease_id=lease.lease_id, owner="other", worker_key=(1, 0))
+    assert foreign.lease_id == 0
+    store.finish_load(foreign)
+    assert store.lease(lease.lease_id) is not None
+    second = store.begin_load(ns, TP1, [h(0), h(1)], lease_id=lease.lease_id, owner="inst", worker_key=(1, 0))
+    assert store.statistics().pinned_blocks == 2  # pinned by lease and load
+    store.finish_load(second)
+    assert store.lease(lease.lease_id) is None
+    s = store.statistics()
+    assert (s.leases, s.pinned_blocks, s.pinned_bytes) == (0, 0, 0)
+    with pytest.raises(NotFound):
+        store.release(lease.lease_id, "inst")
+    check(store)
+
+
+def test_a_load_pins_until_finished(full_pool: tuple[BlockStore, int]) -> None:
+    store, ns = full_pool
+    plan = store.begin_load(ns, TP1, [h(0)])
+    assert plan.outcome == "loaded" and plan.lease_id == 0
+    assert evicts(store, ns, h(10)) == {h(1)}
+    store.finish_load(plan)
+    assert store.lru_order(TP1.page_bytes) == [h(2), h(3), h(10), h(0)]
+    missing = store.begin_load(ns, TP1, [h(2), h(99), h(3)])
+    assert missing.outcome == "missing" and len(missing.entries) == 1
+    assert "block 1" in missing.message
+    store.finish_load(missing)
+    check(store)
+
+
+def test_release_owner_ends_every_lease_of_the_instance(full_pool: tuple[BlockStore, int]) -> None:
+    store, ns = full_pool
+    a = store.query(ns, TP1, [h(0)], "inst", 2)
+    b = store.query(ns, TP1, [h(0), h(1)], "inst", 2)
+    other = store.query(ns, TP1, [h(2)], "other", 1)
+    assert store._pins[store._namespaces[ns].index[h(0)]] == 2
+    assert store.release_owner("inst") == 2
+    assert store.release_owner("inst") == 0
+    assert store.lease(a.lease_id) is None and store.lease(b.lease_id) is None
+    assert store.lease(other.lease_id) is not None
+    assert store.statistics().pinned_blocks == 1
+    check(store)
+
+
+def test_a_lease_expires_after_its_ttl(full_pool: tuple[BlockStore, int], clock: FakeClock) -> None:
+    store, ns = full_pool
+    default = store.query(ns, TP1, [h(0)], "inst", 1)
+    short = store.query(ns, TP1, [h(1)], "inst", 1, ttl_s=5.0)
+    clock.advance(5.0)
+    store.expire()
+    assert store.lease(short.lease_id) is None and store.lease(default.lease_id) is not None
+    clock.advance(LEASE_TTL - 5.0 - 0.5)
+    store.expire()
+    assert store.lease(default.lease_id) is not None
+    clock.advance(0.5)
+    assert evicts(store, ns, h(10)) == {h(2)}  # begin_save expires the lease first, then evicts LRU
+    s = store.statistics()
+    assert (s.leases, s.leases_expired, s.pinned_blocks) == (0, 2, 0)
+    with pytest.raises(NotFound):
+        store.release(default.lease_id, "inst")
+    check(store)
+
+
+# ------------------------------------------------------------------------------------------ eviction
+
+
+def test_eviction_is_lru_and_hits_refresh_recency(full_pool: tuple[BlockStore, int]) -> None:
+    store, ns = full_pool
+    q = store.query(ns, TP1, [h(1)], "inst", 1)
+    store.release(q.lease_id, "inst")
+    assert store.lru_order(TP1.page_bytes) == [h(0), h(2), h(3), h(1)]
+    assert evicts(store, ns, h(4)) == {h(0)}
+    assert evicts(store, ns, h(5)) == {h(2)}
+    store.finish_load(store.begin_load(ns, TP1, [h(3)]))  # a load refreshes too
+    assert store.lru_order(TP1.page_bytes) == [h(1), h(4), h(5), h(3)]
+    assert evicts(store, ns, h(6)) == {h(1)}
+    # a skipped re-save does not refresh
+    assert store.begin_save(ns, TP1, [h(4)], 1).skipped == 1
+    assert evicts(store, ns, h(7)) == {h(4)}
+    assert store.lru_order(TP1.page_bytes) == [h(5), h(3), h(6), h(7)]
+    assert store.statistics().evictions == 4
+    check(store)
+
+
+def test_nothing_is_evicted_when_everything_is_pinned(full_pool: tuple[BlockStore, int]) -> None:
+    store, ns = full_pool
+    lease = store.query(ns, TP1, [h(0), h(1), h(2), h(3)], "inst", 1)
+    assert lease.hits == 4
+    plan = store.begin_save(ns, TP1, [h(4), h(5)], 1)
+    assert plan.entries == () and plan.not_stored == 2
+    assert store.statistics().evictions == 0
+    assert set(resident(store, ns)) == {h(0), h(1), h(2), h(3)}
+    store.release(lease.lease_id, "inst")
+    check(store)
+
+
+def test_inflight_pages_are_not_evicted(full_pool: tuple[BlockStore, int]) -> None:
+    store, ns = full_pool
+    writing = store.begin_save(ns, TP1, [h(4), h(5), h(6), h(7)], 1)  # evicts all four sealed pages
+    assert len(writing.entries) == 4 and store.statistics().evictions == 4
+    blocked = store.begin_save(ns, TP1, [h(8)], 1)
+    assert blocked.not_stored == 1 and store.statistics().evictions == 4
+    store.finish_save(writing, ok=True)
+    assert evicts(store, ns, h(8)) == {h(4)}
+    check(store)
+
+
+def test_cross_class_eviction_empties_an_unpinned_slab(clock: FakeClock) -> None:
+    small = TP1  # 1024-byte pages, 4 per slab
+    big = build_layout(16, 1, [geo("model.layers.0.attn", 1024, segments=2)])  # 2048-byte pages, 2 per slab
+    store = make_store(2 * 4096, 4096, clock)
+    ns_small = store.namespace("m.small", small)
+    ns_big = store.namespace("m.big", big)
+    save(store, ns_small, small, [h(i) for i in range(4)])  # slab A
+    save(store, ns_small, small, [h(i) for i in range(4, 8)])  # slab B
+    slab_of = {k: store._slab_of[pid] for k, pid in store._namespaces[ns_small].index.items()}
+    assert len({slab_of[h(i)] for i in range(4)}) == 1 and slab_of[h(0)] != slab_of[h(4)]
+    lease = store.query(ns_small, small, [h(1)], "inst", 1)  # slab A has a pinned page
+
+    plan = store.begin_save(ns_big, big, [h(100)], 1)
+    assert plan.not_stored == 0 and len(plan.entries) == 1
+    assert set(resident(store, ns_small)) == {h(0), h(1), h(2), h(3)}  # the whole of slab B went
+    assert store._slab_of[plan.entries[0][1]] == slab_of[h(4)]
+    assert store.statistics().evictions == 4
+    store.finish_save(plan, ok=True)
+    check(store)
+
+    # the big class now evicts its own LRU page before touching the small class
+    assert save(store, ns_big, big, [h(101)]).not_stored == 0
+    assert set(resident(store, ns_big)) == {h(100), h(101)}
+    assert save(store, ns_big, big, [h(102)]).not_stored == 0
+    assert set(resident(store, ns_big)) == {h(101), h(102)}
+    assert set(resident(store, ns_small)) == {h(0), h(1), h(2), h(3)}
+
+    # the small class has its own pages; with the big class pinned it cannot take the big slab
+    big_lease = store.query(ns_big, big, [h(101), h(102)], "inst", 1)
+    assert evicts_in(store, ns_small, small, h(200)) == {h(0)}
+    store.release(lease.lease_id, "inst")
+    pin_all = store.query(ns_small, small, [h(1), h(2), h(3), h(200)], "inst", 1)
+    assert pin_all.hits == 4
+    blocked = store.begin_save(ns_small, small, [h(201)], 1)
+    assert blocked.not_stored == 1 and store.statistics().evictions == 6
+    store.release(big_lease.lease_id, "inst")
+    # now the big slab is unpinned: the small class, with nothing of its own to evict, empties it
+    plan = store.begin_save(ns_small, small, [h(201)], 1)
+    assert plan.not_stored == 0 and resident(store, ns_big) == {}
+    store.finish_save(plan, ok=True)
+    store.release(pin_all.lease_id, "inst")
+    check(store)
+
+
+def evicts_in(store: BlockStore, ns: int, layout: Layout, new: bytes) -> set[bytes]:
+    before = set(resident(store, ns))
+    assert save(store, ns, layout, [new]).not_stored == 0
+    return before - set(resident(store, ns))
+
+
+def test_free_slab_goes_back_to_the_pool(clock: FakeClock) -> None:
+    store = make_store(2 * 4096, 4096, clock)
+    ns = store.namespace("m.x", TP1)
+    plan = store.begin_save(ns, TP1, [h(i) for i in range(8)], 1)
+    assert len(plan.entries) == 8
+    store.finish_save(plan, ok=False)
+    assert store._free_slabs and len(store._free_slabs) == 2
+    big = build_layout(16, 1, [geo("a", 4000)])
+    ns_big = store.namespace("m.big", big)
+    assert save(store, ns_big, big, [h(1), h(2)]).not_stored == 0
+    check(store)
+
+
+def test_sealed_page_is_not_recycled_while_a_second_writer_copies(clock: FakeClock) -> None:
+    """Regression: two concurrent saves of one hash by the same worker. The page must not seal (and become
+    evictable) while the second copy is still in progress, or a stale finish_save seals a recycled page."""
+    store = make_store(2048, 2048, clock)  # two 1024-byte pages
+    ns = store.namespace("m.x", TP1)
+    r1 = store.begin_save(ns, TP1, [h(1)], 1)
+    r2 = store.begin_save(ns, TP1, [h(1)], 1)  # the first copy is not finished: joins as a writer
+    assert r2.entries and r2.entries[0][1] == r1.entries[0][1]
+    store.finish_save(r1, ok=True)
+    save(store, ns, TP1, [h(2)])
+    r3 = store.begin_save(ns, TP1, [h(3)], 1)
+    assert r3.not_stored == 0
+    assert h(1) in resident(store, ns)  # r2 still writes into h1's page: it was not evicted
+    assert r3.entries[0][1] != r1.entries[0][1]
+    assert store.finish_save(r2, ok=True) == 1
+    assert resident(store, ns) == {h(1): SEALED, h(3): INFLIGHT}  # h3 waits for its own writer
+    assert store.finish_save(r3, ok=True) == 1
+    check(store)
+
+
+# ------------------------------------------------------------------------------------------ layout refusal
+
+BASE = build_layout(16, 2, [geo("model.layers.0.attn", 1024, 2), geo("model.layers.1.attn", 512, 2)])
+MORE_SLOTS = build_layout(
+    16, 2, [*BASE.layers, geo("model.layers.2.attn", 512, 2)]
+)  # an MTP drafter layer more
+OTHER_SLOT_SIZE = build_layout(16, 2, [geo("model.layers.0.attn", 1024, 2), geo("model.layers.1.attn", 256, 2)])
+OTHER_DTYPE = build_layout(
+    16, 2, [geo("model.layers.0.attn", 1024, 2, "float16"), geo("model.layers.1.attn", 512, 2, "float16")]
+)
+
+
+@pytest.mark.parametrize(
+    ("other", "reason", "words"),
+    [
+        (MORE_SLOTS, "slot_count", ["4 slots", "6"]),
+        (OTHER_SLOT_SIZE, "slot_bytes", ["slot 2", "model.layers.1.attn", "tp_rank 0", "1024", "512"]),
+        (OTHER_DTYPE, "digest", [BASE.digest.hex(), OTHER_DTYPE.digest.hex()]),
+    ],
+)
+def test_fingerprint_collision_is_refused(clock: FakeClock, other: Layout, reason: str, words: list[str]) -> None:
+    assert other.digest != BASE.digest
+    if reason == "digest":
+        assert other.slot_sizes == BASE.slot_sizes
+    store = make_store(1 << 16, 1 << 14, clock)
+    forced = "m.deadbeef"
+    ns = store.namespace(forced, BASE)
+    assert store.namespace(forced, other) == ns  # the collision: same final namespace, another layout
+    assert store.layout_of(ns) == BASE
+    for tp_rank in (0, 1):
+        save(store, ns, BASE, [h(1), h(2)], tp_rank)
+    assert store.query(ns, BASE, [h(1), h(2)], "a", 1).hits == 2
+
+    plan = store.begin_load(ns, other, [h(1), h(2)], owner="b", worker_key=(0, 0))
+    assert plan.outcome == "refused" and plan.reason == reason and plan.entries == ()
+    for word in words:
+        assert word in plan.message
+    store.finish_load(plan)
+    q = store.query(ns, other, [h(1), h(2)], "b", 2)
+    assert q.hits == 0 and q.lease_id == 0
+    refused_save = store.begin_save(ns, other, [h(3)], 1)
+    assert refused_save.entries == () and refused_save.not_stored == 1
+    stats, layout = store.namespace_stats()[ns]
+    assert layout == BASE
+    assert stats.refused[reason] >= 1
+    expected = {reason: 1}
+    expected["digest"] = expected.get("digest", 0) + 2  # the query and the save compare digests
+    assert dict(stats.refused) == expected
+    assert store.begin_load(ns, BASE, [h(1), h(2)]).outcome == "loaded"
+
+
+# ------------------------------------------------------------------------------------------ state machine
+
+
+# L_A: tp 2, one layer -> 2048-byte pages, workers (0,0) and (1,0).
+# L_B: tp 1, pp 2, two layers split over the stages -> 1024-byte pages, workers (0,0) and (0,1).
+L_A = build_layout(16, 2, [geo("model.layers.0.attn", 1024)])
+L_B = build_layout(16, 1, [geo("model.layers.0.attn", 700), geo("model.layers.1.attn", 300)])
+INSTANCES = {
+    "A": (L_A, "ns.a", {(0, 0): 0b01, (1, 0): 0b10}),
+    "B": (L_B, "ns.b", {(0, 0): 0b01, (0, 1): 0b10}),
+}
+HASHES = [h(i) for i in range(7)]
+SLAB = 4096
+
+hash_lists = st.lists(st.sampled_from(HASHES), min_size=1, max_size=4)
+instances = st.sampled_from(sorted(INSTANCES))
+workers = st.sampled_from(((0, 0), (1, 0)))  # index into the instance's two workers
+
+
+@dataclass
+class ModelLease:
+    instance: str
+    ns: int
+    pinned: list[tuple[bytes, int]]
+    shares: int
+    deadline: float
+    consumed: set[tuple[int, int]] = field(default_factory=set)
+
+
+@dataclass
+class ModelLoad:
+    instance: str
+    plan: LoadPlan
+    pinned: list[tuple[bytes, int]]
+
+
+class StoreMachine(RuleBasedStateMachine):
+    @initialize(n_slabs=st.integers(1, 3))
+    def setup(self, n_slabs: int) -> None:
+        self.clock = FakeClock()
+        self.store = make_store(n_slabs * SLAB, SLAB, self.clock)
+        self.ns = {name: self.store.namespace(nsf, lay) for name, (lay, nsf, _) in INSTANCES.items()}
+        self.saves: list[tuple[str, SavePlan, list[bytes]]] = []
+        self.loads: list[ModelLoad] = []
+        self.leases: dict[int, ModelLease] = {}
+        self.written: dict[tuple[int, bytes, int], int] = {}  # (ns, hash, page id) -> cells written successfully
+
+    # -- model helpers
+
+    def worker(self, instance: str, which: tuple[int, int]) -> tuple[tuple[int, int], int]:
+        keys = sorted(INSTANCES[instance][2])
+        key = keys[0] if which == (0, 0) else keys[1]
+        return key, INSTANCES[instance][2][key]
+
+    def expired(self) -> None:
+        """Mirror of BlockStore.expire for leases: called after every store call that expires."""
+        now = self.clock()
+        for lease_id in [i for i, lease in self.leases.items() if lease.deadline <= now]:
+            del self.leases[lease_id]
+
+    def index(self, instance: str) -> dict[bytes, int]:
+        return self.store._namespaces[self.ns[instance]].index
+
+    # -- rules
+
+    @rule(instance=instances, which=workers, hashes=hash_lists)
+    def begin_save(self, instance: str, which: tuple[int, int], hashes: list[bytes]) -> None:
+        layout = INSTANCES[instance][0]
+        _, cells = self.worker(instance, which)
+        plan = self.store.begin_save(self.ns[instance], layout, hashes, cells)
+        self.expired()
+        assert len(plan.entries) + plan.skipped + plan.not_stored == len(hashes)
+        self.saves.append((instance, plan, hashes))
+
+    @precondition(lambda self: self.saves)
+    @rule(i=st.integers(0, 100), ok=st.booleans())
+    def finish_save(self, i: int, ok: bool) -> None:
+        instance, plan, hashes = self.saves.pop(i % len(self.saves))
+        if ok:
+            for index, pid, _ in plan.entries:
+                key = (plan.namespace_id, hashes[index], pid)
+                self.written[key] = self.written.get(key, 0) | plan.cell_mask
+        self.store.finish_save(plan, ok)
+
+    @rule(instance=instances, hashes=hash_lists, shares=st.integers(1, 2), ttl=st.sampled_from((None, 5.0)))
+    def query(self, instance: str, hashes: list[bytes], shares: int, ttl: float | None) -> None:
+        layout = INSTANCES[instance][0]
+        ns = self.ns[instance]
+        index = self.index(instance)
+        result = self.store.query(ns, layout, hashes, instance, shares, ttl)
+        self.expired()
+        expected = 0
+        for block_hash in hashes:
+            pid = index.get(block_hash)
+            if pid is None or self.store._state[pid] != SEALED:
+                break
+            expected += 1
+        assert result.hits == expected
+        if result.hits:
+            assert result.lease_id not in self.leases
+            pinned = [(b, index[b]) for b in hashes[: result.hits]]
+            deadline = self.clock() + (LEASE_TTL if ttl is None else ttl)
+            self.leases[result.lease_id] = ModelLease(instance, ns, pinned, shares, deadline)
+        else:
+            assert result.lease_id == 0
+
+    @rule(instance=instances, which=workers, hashes=hash_lists, use_lease=st.booleans(), pick=st.integers(0, 100))
+    def begin_load(
+        self, instance: str, which: tuple[int, int], hashes: list[bytes], use_lease: bool, pick: int
+    ) -> None:
+        layout = INSTANCES[instance][0]
+        key, _ = self.worker(instance, which)
+        own = sorted(i for i, lease in self.leases.items() if lease.instance == instance)
+        lease_id = own[pick % len(own)] if use_lease and own else 0
+        plan = self.store.begin_load(
+            self.ns[instance], layout, hashes, lease_id=lease_id, owner=instance, worker_key=key
+        )
+        self.expired()
+        assert plan.outcome in ("loaded", "missing")
+        assert (plan.outcome == "loaded") == (len(plan.entries) == len(hashes))
+        index = self.index(instance)
+        pinned = [(b, index[b]) for b in hashes[: len(plan.entries)]]
+        assert [pid for _, pid in pinned] == [pid for pid, _ in plan.entries]
+        self.loads.append(ModelLoad(instance, plan, pinned))
+
+    @precondition(lambda self: self.loads)
+    @rule(i=st.integers(0, 100))
+    def finish_load(self, i: int) -> None:
+        load = self.loads.pop(i % len(self.loads))
+        self.store.finish_load(load.plan)
+        lease = self.leases.get(load.plan.lease_id)
+        if lease is not None:
+            lease.consumed.add(load.plan.worker_key)
+            if len(lease.consumed) >= lease.shares:
+                del self.leases[load.plan.lease_id]
+
+    @rule(pick=st.integers(0, 100), bogus=st.booleans())
+    def release(self, pick: int, bogus: bool) -> None:
+        if bogus or not self.leases:
+            with pytest.raises(NotFound):
+                self.store.release(10_000 + pick, "A")
+            return
+        lease_id = sorted(self.leases)[pick % len(self.leases)]
+        lease = self.leases[lease_id]
+        now = self.clock()
+        if lease.deadline <= now:  # expired in time but not yet reaped: release still finds it
+            pass
+        self.store.release(lease_id, lease.instance)
+        del self.leases[lease_id]
+
+    @rule(instance=instances)
+    def release_owner(self, instance: str) -> None:
+        ours = [i for i, lease in self.leases.items() if lease.instance == instance]
+        assert self.store.release_owner(instance) == len(ours)
+        for i in ours:
+            del self.leases[i]
+
+    @rule(seconds=st.sampled_from((0.5, 4.0, 6.0, 31.0, 61.0)))
+    def advance(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+        self.store.expire()
+        self.expired()
+
+    # -- invariants
+
+    @invariant()
+    def accounting_balances(self) -> None:
+        self.store.check_invariants()
+        s = self.store.statistics()
+        assert s.free_bytes + s.inflight_bytes + s.sealed_bytes == s.arena_bytes
+        assert s.leases == len(self.leases)
+        assert set(self.store._leases) == set(self.leases)
+
+    @invariant()
+    def pinned_pages_stay(self) -> None:
+        pinned = [(lease.instance, b, pid) for lease in self.leases.values() for b, pid in lease.pinned]
+        pinned += [(load.instance, b, pid) for load in self.loads for b, pid in load.pinned]
+        for instance, block_hash, pid in pinned:
+            assert self.index(instance).get(block_hash) == pid
+            assert self.store._state[pid] == SEALED
+            assert self.store._pins[pid] > 0
+
+    @invariant()
+    def sealed_pages_were_fully_written(self) -> None:
+        for instance, (layout, _, _) in INSTANCES.items():
+            ns = self.ns[instance]
+            full = (1 << layout.num_slots) - 1
+            for block_hash, pid in self.index(instance).items():
+                if self.store._state[pid] == SEALED:
+                    assert self.written.get((ns, block_hash, pid), 0) == full
+
+
+TestStoreMachine = StoreMachine.TestCase
+TestStoreMachine.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
