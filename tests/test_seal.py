@@ -195,7 +195,9 @@ def test_layout_facts(spec: InstanceSpec, rnd: random.Random) -> None:
         assert m & union == 0
         union |= m
     for w in workers:
-        assert sorted(sealed.worker_layer_ids[w.key]) == sorted(sealed.layer_ids[layer.geometry.name] for layer in w.layers)
+        assert sorted(sealed.worker_layer_ids[w.key]) == sorted(
+            sealed.layer_ids[layer.geometry.name] for layer in w.layers
+        )
 
 
 def test_slot_sizes_may_differ_between_layers() -> None:
@@ -227,7 +229,9 @@ def mutate(spec: InstanceSpec, mutation: str, draw: st.DrawFn) -> InstanceSpec:
     name = draw(st.sampled_from([g.name for g in spec.geometries]))
     g = spec.geometry(name)
     if mutation == "segment_bytes":
-        return spec.with_geometry(name, segment_bytes=draw(st.integers(1, 1 << 16).filter(lambda v: v != g.segment_bytes)))
+        return spec.with_geometry(
+            name, segment_bytes=draw(st.integers(1, 1 << 16).filter(lambda v: v != g.segment_bytes))
+        )
     if mutation == "segments":
         return spec.with_geometry(name, segments=3 - g.segments)
     if mutation == "dtype":
@@ -256,7 +260,9 @@ def mutate(spec: InstanceSpec, mutation: str, draw: st.DrawFn) -> InstanceSpec:
             stage_of={k: v for k, v in spec.stage_of.items() if k != victim},
         )
     if mutation == "block_size":
-        return replace(spec, block_size=draw(st.sampled_from((1, 8, 16, 32, 256)).filter(lambda v: v != spec.block_size)))
+        return replace(
+            spec, block_size=draw(st.sampled_from((1, 8, 16, 32, 256)).filter(lambda v: v != spec.block_size))
+        )
     if mutation == "tp_size":
         return replace(spec, tp_size=draw(st.integers(1, 4).filter(lambda v: v != spec.tp_size)))
     raise AssertionError(mutation)

@@ -42,6 +42,7 @@ MAX_BLOCK_SIZE = 1 << 20
 MAX_LAYERS = 4096
 MAX_SEGMENT_BYTES = 1 << 30
 MAX_NAME_CHARS = 256
+MAX_STRIDE = (1 << 63) - 1  # strides become numpy/torch (int64) strides
 
 _NAME_RE = re.compile(r"^[\x21-\x7e]+$")  # printable ASCII, no spaces
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._:/@+=-]+$")
@@ -135,7 +136,7 @@ def validate_registration(reg: WorkerRegistration) -> None:
 def _check_text(field_name: str, value: str, pattern: re.Pattern[str]) -> None:
     if not value:
         raise InvalidArgument(f"{field_name} must not be empty")
-    if len(value) > MAX_NAME_CHARS or not pattern.match(value):
+    if len(value) > MAX_NAME_CHARS or not pattern.fullmatch(value):
         raise InvalidArgument(
             f"{field_name} {value[:80]!r} must be at most {MAX_NAME_CHARS} characters matching {pattern.pattern}"
         )
@@ -159,6 +160,9 @@ def _validate_layer(where: str, layer: LayerRegistration) -> None:
             f"{where}.strides must hold {g.segments} value(s) (block stride"
             f"{', segment stride' if g.segments == 2 else ''}), got {len(layer.strides)}"
         )
+    for k, stride in enumerate(layer.strides):
+        if stride > MAX_STRIDE:
+            raise InvalidArgument(f"{where}.strides[{k}] must be at most {MAX_STRIDE} bytes, got {stride}")
     if layer.num_blocks > 1 and layer.strides[0] < g.segment_bytes:
         raise InvalidArgument(
             f"{where}.strides[0] (block stride {layer.strides[0]}) is smaller than segment_bytes {g.segment_bytes}: "

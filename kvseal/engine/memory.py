@@ -57,6 +57,8 @@ class CudaSpec:
 
 def check_shm_path(where: str, path: str) -> None:
     """Only shared-memory files may be mapped: the engine writes into what it maps."""
+    if "\x00" in path:
+        raise InvalidArgument(f"{where}.path {path!r} contains a NUL byte")
     m = _PROC_FD_RE.match(path)
     if m:
         try:
