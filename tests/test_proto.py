@@ -12,8 +12,16 @@ def test_generated_modules_are_current(tmp_path: Path) -> None:
     (tmp_path / "kvseal" / "proto").mkdir(parents=True)
     shutil.copy(ROOT / "kvseal" / "proto" / "kvseal.proto", tmp_path / "kvseal" / "proto")
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.", "--pyi_out=.", "--grpc_python_out=.",
-         "kvseal/proto/kvseal.proto"],
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I.",
+            "--python_out=.",
+            "--pyi_out=.",
+            "--grpc_python_out=.",
+            "kvseal/proto/kvseal.proto",
+        ],
         cwd=tmp_path,
         check=True,
     )

@@ -102,7 +102,7 @@ class _Worker:
         self.num_blocks = min(layer.num_blocks for layer in reg.layers)
         self.copier: WorkerCopier | None = None
         self.cell_mask = 0
-        self.slot_bytes = 0  # bytes this worker moves per block
+        self.slot_bytes = sum(layer.geometry.slot_bytes for layer in reg.layers)  # bytes moved per block
 
 
 class _Instance:
@@ -146,21 +146,23 @@ class Engine:
         validate_registration(reg)
         memories = self._map_memory(reg)
         with self._lock:
-            inst = self._instances.get(reg.instance_id)
-            if inst is None:
-                inst = _Instance(reg.instance_id)
+            inst = self._instances.get(reg.instance_id) or _Instance(reg.instance_id)
             before = (dict(inst.registry.workers), inst.registry.sealed)
+            workers = {**inst.workers, reg.key: _Worker(reg, memories)}
             try:
                 sealed = inst.registry.add(reg)
-                if sealed is not None:
-                    self._check_page_fits(sealed)
+                copiers = self._plan_copies(workers, sealed) if sealed is not None else {}
             except Exception:
                 inst.registry.workers, inst.registry.sealed = before
                 raise
+            # nothing below can fail: commit
             self._instances[reg.instance_id] = inst
-            inst.workers[reg.key] = _Worker(reg, memories)
+            inst.workers = workers
             if sealed is not None:
-                self._on_seal(inst, sealed)
+                inst.ns_id = self.store.namespace(sealed.namespace_final, sealed.layout)
+                for key, w in workers.items():
+                    w.copier = copiers[key]
+                    w.cell_mask = sealed.cell_mask(key)
             return self._status(inst)
 
     def _map_memory(self, reg: WorkerRegistration) -> list[Any]:
@@ -176,28 +178,26 @@ class Engine:
                 memories.append(map_layer_memory(where, layer.memory, extent, files).bytes)
         return memories
 
-    def _check_page_fits(self, sealed: SealedInstance) -> None:
-        page = sealed.layout.page_bytes
-        if page > self.store.max_page_bytes():
-            raise ResourceExhausted(
-                f"a page of this layout holds {page} bytes ({sealed.layout.num_slots} slots) but the pool's largest "
-                f"page is {self.store.max_page_bytes()} bytes: raise --pool-size (and --slab-size)"
-            )
-
-    def _on_seal(self, inst: _Instance, sealed: SealedInstance) -> None:
+    def _plan_copies(
+        self, workers: dict[tuple[int, int], _Worker], sealed: SealedInstance
+    ) -> dict[tuple[int, int], WorkerCopier]:
+        """The copiers of a sealed instance's workers (pure: raises before anything is changed)."""
         layout = sealed.layout
-        inst.ns_id = self.store.namespace(sealed.namespace_final, layout)
-        for key, worker in inst.workers.items():
-            tp_rank = key[0]
+        if layout.page_bytes > self.store.max_page_bytes():
+            raise ResourceExhausted(
+                f"a page of this layout holds {layout.page_bytes} bytes ({layout.num_slots} slots) but the pool's "
+                f"largest page is {self.store.max_page_bytes()} bytes: raise --pool-size (and --slab-size)"
+            )
+        copiers = {}
+        for key, worker in workers.items():
             sources = []
             for layer, memory in zip(worker.registration.layers, worker.memories, strict=True):
                 g = layer.geometry
-                slot = layout.slot(sealed.layer_ids[g.name], tp_rank)
-                offset = layer.memory.offset if layer.memory is not None else 0
+                slot = layout.slot(sealed.layer_ids[g.name], key[0])
                 sources.append(
                     SlotSource(
                         memory=memory,
-                        src_offset=offset,
+                        src_offset=layer.memory.offset if layer.memory is not None else 0,
                         block_stride=layer.strides[0],
                         segment_stride=layer.strides[1] if g.segments == 2 else 0,
                         num_blocks=layer.num_blocks,
@@ -206,9 +206,8 @@ class Engine:
                         dst_offset=layout.slot_offsets[slot],
                     )
                 )
-            worker.copier = WorkerCopier(sources, self.arena.bytes)
-            worker.cell_mask = sealed.cell_mask(key)
-            worker.slot_bytes = sum(layer.geometry.slot_bytes for layer in worker.registration.layers)
+            copiers[key] = WorkerCopier(sources, self.arena.bytes)
+        return copiers
 
     def unregister(self, worker: WorkerKey) -> int:
         """Drops a worker's registration and mappings and every lease of its instance. Returns the workers left."""

@@ -130,14 +130,17 @@ def map_cuda_storage(where: str, spec: CudaSpec, extent: int) -> Any:
         raise FailedPrecondition(f"{where}.cuda: this engine has no CUDA device; register shared CPU memory")
     if spec.offset + extent > spec.storage_size:
         raise InvalidArgument(f"{where}.cuda.offset {spec.offset} + layer extent {extent} exceeds storage_size")
-    storage = torch.UntypedStorage._new_shared_cuda(
-        spec.device,
-        spec.handle,
-        spec.storage_size,
-        spec.storage_offset,
-        spec.ref_counter_handle,
-        spec.ref_counter_offset,
-        spec.event_handle,
-        spec.event_sync_required,
-    )
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            spec.device,
+            spec.handle,
+            spec.storage_size,
+            spec.storage_offset,
+            spec.ref_counter_handle,
+            spec.ref_counter_offset,
+            spec.event_handle,
+            spec.event_sync_required,
+        )
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise FailedPrecondition(f"{where}.cuda: the IPC handle cannot be opened: {e}") from None
     return torch.empty(0, dtype=torch.uint8, device=f"cuda:{spec.device}").set_(storage)
