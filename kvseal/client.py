@@ -163,8 +163,10 @@ def share_tensor(tensor: Any) -> pb.MemoryHandle:
         storage = tensor.untyped_storage()
     offset = tensor.data_ptr() - storage.data_ptr()
     if torch.multiprocessing.get_sharing_strategy() == "file_system":
-        _, name, size = storage._share_filename_cpu_()
+        _, name, nbytes = storage._share_filename_cpu_()
         path = "/dev/shm/" + name.decode().lstrip("/")
+        size = os.stat(path).st_size
+        offset += size - nbytes  # torch puts a small header (its reference count) before the data
     else:
         fd, size = storage._share_fd_cpu_()
         path = f"/proc/{os.getpid()}/fd/{fd}"
