@@ -15,12 +15,15 @@ message is the engine's.
 from __future__ import annotations
 
 import os
+import socket
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
+from kvseal import fastquery as fq
 from kvseal.errors import KvsealError, error_for_status
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
@@ -51,7 +54,14 @@ class Session:
 
 
 class EngineClient:
-    def __init__(self, target: str = "127.0.0.1:50055", *, token: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50055",
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        use_query_lane: bool = True,
+    ) -> None:
         self.target = target
         self.timeout = timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
@@ -60,8 +70,13 @@ class EngineClient:
             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
         )
         self._stub = pb_grpc.EngineStub(self._channel)
+        self._use_query_lane = use_query_lane and not token
+        self._lane: _QueryLane | None = None
+        self._lane_retry_at = 0.0
 
     def close(self) -> None:
+        if self._lane is not None:
+            self._lane.close()
         self._channel.close()
 
     def __enter__(self) -> EngineClient:
@@ -118,16 +133,43 @@ class EngineClient:
         request = pb.LoadRequest(worker=_worker(worker), block_hashes=hashes, block_ids=block_ids, lease_id=lease_id)
         return self._call("Load", request)
 
+    def info(self) -> pb.InfoResponse:
+        return self._call("Info", pb.InfoRequest())
+
     def query(
         self, instance_id: str, hashes: Sequence[bytes], *, request_id: str = "", lease_ttl_ms: int = 0
     ) -> pb.QueryResponse:
+        """Leading resident hashes and their lease, over the query lane when the engine offers one."""
+        lane = self._query_lane()
+        if lane is not None and all(0 < len(h) < 256 for h in hashes):
+            body = lane.call(fq.encode_query(instance_id, list(hashes), lease_ttl_ms))
+            if body is not None:
+                hits, lease_id, ttl, ns = fq.decode_query_ok(body)
+                return pb.QueryResponse(hits=hits, lease_id=lease_id, lease_ttl_ms=ttl, namespace_final=ns)
         request = pb.QueryRequest(
             instance_id=instance_id, block_hashes=hashes, request_id=request_id, lease_ttl_ms=lease_ttl_ms
         )
         return self._call("Query", request)
 
     def release(self, instance_id: str, lease_id: int) -> None:
+        lane = self._query_lane()
+        if lane is not None and lane.call(fq.encode_release(instance_id, lease_id)) is not None:
+            return
         self._call("Release", pb.ReleaseRequest(instance_id=instance_id, lease_id=lease_id))
+
+    def _query_lane(self) -> _QueryLane | None:
+        if not self._use_query_lane:
+            return None
+        if self._lane is None or self._lane.path == "":
+            if time.monotonic() < self._lane_retry_at:
+                return None
+            self._lane_retry_at = time.monotonic() + 5.0
+            try:
+                path = self.info().query_socket
+            except KvsealError:
+                return None
+            self._lane = _QueryLane(path)
+        return self._lane if self._lane.path else None
 
     def unregister(self, worker: WorkerKey) -> int:
         return self._call("Unregister", pb.UnregisterRequest(worker=_worker(worker))).remaining_workers
@@ -138,6 +180,49 @@ class EngineClient:
             return Session(stream)
         except grpc.RpcError as e:
             raise error_for_status(e.code().name, e.details() or "") from None
+
+
+class _QueryLane:
+    """One connection to the engine's query lane (kvseal.fastquery). `call` returns the OK body, raises the
+    engine's error, or returns None when the lane is unusable (the caller then uses gRPC)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def call(self, frame: bytes) -> bytes | None:
+        with self._lock:
+            try:
+                if self._sock is None:
+                    if not self.path or not os.path.exists(self.path):
+                        return None
+                    self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    self._sock.connect(self.path)
+                self._sock.sendall(frame)
+                reply = fq.read_frame(self._sock)
+                if reply is None:
+                    raise ConnectionError("the engine closed the query lane")
+            except (OSError, KvsealError):
+                self._close_locked()
+                return None
+        code, body = reply
+        if code != 0:
+            raise error_for_status(fq.STATUS_NAMES.get(code, "INTERNAL"), body.decode(errors="replace"))
+        return body
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()
+
+    def __del__(self) -> None:  # a client dropped without close() must not leak its socket
+        if self._sock is not None:
+            self._sock.close()
+
+    def _close_locked(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
 
 def _worker(worker: WorkerKey) -> pb.WorkerId:

@@ -244,3 +244,17 @@ class SessionEvent(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     status: InstanceStatus
     def __init__(self, status: _Optional[_Union[InstanceStatus, _Mapping]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("version", "pool_bytes", "query_socket")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUERY_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    pool_bytes: int
+    query_socket: str
+    def __init__(self, version: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., query_socket: _Optional[str] = ...) -> None: ...

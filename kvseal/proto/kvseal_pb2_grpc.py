@@ -34,6 +34,11 @@ class EngineStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Info = channel.unary_unary(
+                '/kvseal.v1.Engine/Info',
+                request_serializer=kvseal_dot_proto_dot_kvseal__pb2.InfoRequest.SerializeToString,
+                response_deserializer=kvseal_dot_proto_dot_kvseal__pb2.InfoResponse.FromString,
+                _registered_method=True)
         self.Register = channel.unary_unary(
                 '/kvseal.v1.Engine/Register',
                 request_serializer=kvseal_dot_proto_dot_kvseal__pb2.RegisterRequest.SerializeToString,
@@ -73,6 +78,12 @@ class EngineStub:
 
 class EngineServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Info(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Register(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -121,6 +132,11 @@ class EngineServicer:
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=kvseal_dot_proto_dot_kvseal__pb2.InfoRequest.FromString,
+                    response_serializer=kvseal_dot_proto_dot_kvseal__pb2.InfoResponse.SerializeToString,
+            ),
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
                     request_deserializer=kvseal_dot_proto_dot_kvseal__pb2.RegisterRequest.FromString,
@@ -166,6 +182,33 @@ def add_EngineServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Engine:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvseal.v1.Engine/Info',
+            kvseal_dot_proto_dot_kvseal__pb2.InfoRequest.SerializeToString,
+            kvseal_dot_proto_dot_kvseal__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Register(request,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import tempfile
 import threading
 from concurrent import futures
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from kvseal.engine.engine import Engine
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
 from kvseal.server.http import HttpServer
 from kvseal.server.metrics import Metrics
+from kvseal.server.querylane import QueryLaneServer
 from kvseal.server.service import EngineService
 
 log = logging.getLogger("kvseal.server")
@@ -35,6 +37,7 @@ class ServeConfig:
     token: str | None = None
     max_workers: int = 128
     prefault: bool = True
+    query_socket: str = "auto"  # unix socket path of the query lane; "auto" derives one, "" turns it off
 
 
 def is_loopback(address: str) -> bool:
@@ -106,6 +109,7 @@ class EngineServer:
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         self._http: HttpServer | None = None
+        self._lane: QueryLaneServer | None = None
         self._stop = threading.Event()
         self.port = 0
 
@@ -132,6 +136,17 @@ class EngineServer:
                 self._grpc.stop(0)
                 raise SystemExit(f"cannot listen on {self.cfg.http_listen!r} (HTTP): {e.strerror}") from None
             self._http.start()
+        if self.cfg.query_socket:
+            path = self.cfg.query_socket
+            if path == "auto":
+                path = (
+                    listen.removeprefix("unix:").removeprefix("//") + ".query"
+                    if listen.startswith("unix:")
+                    else os.path.join(tempfile.gettempdir(), f"kvseal-{self.port}.query.sock")
+                )
+            self._lane = QueryLaneServer(path, self.engine, self.metrics)
+            self._lane.start()
+            self.service.query_socket = path
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._health.set("kvseal.v1.Engine", health_pb2.HealthCheckResponse.SERVING)
         threading.Thread(target=self._tick, name="kvseal-tick", daemon=True).start()
@@ -156,5 +171,7 @@ class EngineServer:
         self._health.enter_graceful_shutdown()
         self.service.close()
         self._grpc.stop(grace).wait()
+        if self._lane:
+            self._lane.stop()
         if self._http:
             self._http.stop()

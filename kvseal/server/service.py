@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from kvseal import __version__
 from kvseal.core.layout import LayerGeometry, LayerRegistration, WorkerRegistration, normalize_dtype
 from kvseal.engine.engine import Engine, InstanceStatus, WorkerKey
 from kvseal.engine.memory import CudaSpec, ShmSpec
@@ -50,6 +51,7 @@ class EngineService(pb_grpc.EngineServicer):
     def __init__(self, engine: Engine, metrics: Metrics) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.query_socket = ""  # set by the server once the query lane listens
         self._sessions: set[threading.Event] = set()
         self._sessions_lock = threading.Lock()
 
@@ -58,6 +60,12 @@ class EngineService(pb_grpc.EngineServicer):
         with self._sessions_lock:
             for ended in self._sessions:
                 ended.set()
+
+    @_rpc
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
+        return pb.InfoResponse(
+            version=__version__, pool_bytes=self.engine.store.arena_bytes, query_socket=self.query_socket
+        )
 
     @_rpc
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterResponse:
