@@ -112,6 +112,12 @@ class EngineProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def kill(self) -> None:
+        """SIGKILL, as a crash would; teardown then expects the engine gone."""
+        self.expect_exit = True
+        self.proc.kill()
+        self.proc.wait()
+
     def wait_ready(self) -> None:
         """Returns when GET /health answers 200 and gRPC accepts connections; raises EngineStartFailed if the engine
         exits or does not get ready in time.

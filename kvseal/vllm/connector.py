@@ -84,7 +84,14 @@ class _Pending:
 
 
 class _Outage:
-    """Logs one warning per outage of the engine, and one line when it is back."""
+    """Logs one warning per outage of the engine, and one line when it is back. Shared by the connectors of one
+    process (scheduler and worker sides live in one process when vLLM runs without multiprocessing)."""
+
+    _by_target: dict[str, _Outage] = {}
+
+    @classmethod
+    def of(cls, target: str) -> _Outage:
+        return cls._by_target.setdefault(target, cls(target))
 
     def __init__(self, target: str) -> None:
         self.target = target
@@ -130,7 +137,7 @@ class KVSealConnector(KVConnectorBase_V1):
         self.instance_id = f"vllm-{transfer.engine_id}"
         self.block_size = vllm_config.cache_config.block_size
         self.client = EngineClient(self.target, token=extra.get("kvseal.token"), timeout=30.0)
-        self.outage = _Outage(self.target)
+        self.outage = _Outage.of(self.target)
         if role == KVConnectorRole.SCHEDULER:
             # a failed or refused load must make vLLM recompute, never fail the request
             transfer.kv_load_failure_policy = "recompute"

