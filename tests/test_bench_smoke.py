@@ -1,10 +1,12 @@
-"""`kvseal bench engine --quick` runs end to end and ends with a well-formed RESULT line (no speed assertions)."""
+"""The benchmarks run end to end in their quick form (no speed assertions): `kvseal bench engine --quick` ends
+with a well-formed RESULT line and `bench/store_ops.py --quick` prints its table."""
 
 from __future__ import annotations
 
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -38,3 +40,18 @@ def test_quick_engine_benchmark_prints_a_result_line() -> None:
     for key, text in values.items():
         number = float(text)
         assert math.isfinite(number) and number > 0, f"{key}={text} in {last}"
+
+
+@pytest.mark.timeout(120)
+def test_quick_store_ops_benchmark_prints_its_table() -> None:
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, str(root / "bench" / "store_ops.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    for op in ("begin_save (evict)", "finish_save", "query", "release", "begin_load", "finish_load", "engine save"):
+        assert any(line.startswith(op) for line in proc.stdout.splitlines()), proc.stdout
+    assert "cross-class stall" in proc.stdout
