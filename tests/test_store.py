@@ -424,6 +424,57 @@ def test_cross_class_eviction_empties_an_unpinned_slab(clock: FakeClock) -> None
     check(store)
 
 
+def test_emptying_a_slab_shared_by_two_namespaces_keeps_each_count(clock: FakeClock) -> None:
+    """Two namespaces in one size class (1000- and 1024-byte pages) share a slab; a third class empties it."""
+    odd = build_layout(16, 1, [geo("model.layers.0.attn", 1000)])
+    big = build_layout(16, 1, [geo("model.layers.0.attn", 2048)])
+    store = make_store(4096, 4096, clock)
+    ns_a, ns_b, ns_big = store.namespace("m.a", TP1), store.namespace("m.b", odd), store.namespace("m.big", big)
+    save(store, ns_a, TP1, [h(1), h(2)])
+    save(store, ns_b, odd, [h(1), h(3)])
+    assert store.statistics().free_bytes == 0
+    check(store)
+    plan = store.begin_save(ns_big, big, [h(9)], 1)
+    assert plan.not_stored == 0 and store.statistics().evictions == 4
+    assert resident(store, ns_a) == {} and resident(store, ns_b) == {}
+    stats = store.namespace_stats()
+    assert [(s.resident_blocks, s.resident_bytes) for s, _ in stats] == [(0, 0), (0, 0), (0, 0)]
+    assert store.lru_order(TP1.page_bytes) == []
+    assert store.finish_save(plan, ok=True) == 1
+    assert store.namespace_stats()[ns_big][0].resident_bytes == 2048
+    check(store)
+
+
+def test_a_repeated_hash_is_pinned_per_mention_and_relinked_once(full_pool: tuple[BlockStore, int]) -> None:
+    store, ns = full_pool
+    lease = store.query(ns, TP1, [h(1), h(1), h(0)], "inst", 1)
+    assert lease.hits == 3
+    assert store._pins[store._namespaces[ns].index[h(1)]] == 2
+    assert store.statistics().pinned_blocks == 2 and store.lru_order(TP1.page_bytes) == [h(2), h(3)]
+    load = store.begin_load(ns, TP1, [h(0), h(2), h(0)])
+    check(store)
+    store.release(lease.lease_id, "inst")
+    assert store.lru_order(TP1.page_bytes) == [h(3), h(1)]  # h0 and h2 are still pinned by the load
+    store.finish_load(load)
+    assert store.lru_order(TP1.page_bytes) == [h(3), h(1), h(2), h(0)]
+    assert store.statistics().pinned_blocks == 0
+    check(store)
+
+
+def test_page_ids_come_back_when_slabs_change_hands(clock: FakeClock) -> None:
+    """A slab's page ids return to the page table when it empties (check_invariants accounts for every id)."""
+    store = make_store(4 * 4096, 4096, clock)
+    small, big = TP1, build_layout(16, 1, [geo("model.layers.0.attn", 2048)])
+    ns_small, ns_big = store.namespace("m.small", small), store.namespace("m.big", big)
+    for round_ in range(12):
+        layout, ns = (small, ns_small) if round_ % 2 else (big, ns_big)
+        plan = store.begin_save(ns, layout, [h(100 * round_ + i) for i in range(16)], 1)
+        assert len(plan.entries) == 4 * 4096 // layout.page_bytes  # it took every slab of the other class
+        store.finish_save(plan, ok=round_ % 3 != 0)
+        check(store)
+    assert store.statistics().evictions > 0
+
+
 def evicts_in(store: BlockStore, ns: int, layout: Layout, new: bytes) -> set[bytes]:
     before = set(resident(store, ns))
     assert save(store, ns, layout, [new]).not_stored == 0

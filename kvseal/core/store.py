@@ -19,13 +19,20 @@ Arena layout
     slab of class c = | page | page | ... | page | tail |   pages of class_bytes[c] (page bytes rounded to 64)
 
 A size class takes a free slab when its slabs are full. When none is free, the class evicts its own least
-recently used unpinned page; a class with nothing to evict empties a whole slab of another class whose pages
-are all evictable (or fails without evicting anything). A slab whose pages are all free goes back to the pool.
+recently used unpinned page and reuses it in place; a class with nothing to evict empties a whole slab of another
+class whose pages are all evictable (or fails without evicting anything). A slab whose pages are all free goes
+back to the pool. Page ids are carved from a slab on first use and the slab keeps the list of its ids, so
+emptying it costs its own pages only.
 
 Accounting: free_bytes + inflight_bytes + sealed_bytes == arena_bytes at all times (check_invariants()).
 
 Per page metadata lives in typed arrays indexed by page id (no object per page) to keep a resident block
-under 256 bytes of engine memory, index entry included.
+under 256 bytes of engine memory, index entry included; the arrays grow PAGE_TABLE_CHUNK ids at a time. An
+inflight page's open writers are counted in `_writers`; the cells it has written (a mask may be wider than 64
+bits) and its reclaim deadline live in dicts that hold inflight pages only.
+
+The hot calls walk their blocks once with the arrays bound to locals and update the running totals once per
+call, so a block costs a few array stores rather than a method call per step.
 """
 
 from __future__ import annotations
@@ -37,14 +44,13 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from kvseal.core.layout import Layout
 from kvseal.errors import NotFound
 
 FREE, INFLIGHT, SEALED, SENTINEL = 0, 1, 2, 3
 PAGE_ALIGN = 64
 NO_PAGE = -1
+PAGE_TABLE_CHUNK = 4096  # page ids the page table grows by when none is free
 
 
 @dataclass(slots=True)
@@ -58,13 +64,6 @@ class NamespaceStats:
     misses: int = 0
     refused: Counter[str] = field(default_factory=Counter)
     last_used: float = 0.0  # wall clock (unix seconds)
-
-
-@dataclass(slots=True)
-class _Inflight:
-    mask: int
-    writers: int
-    deadline: float
 
 
 @dataclass(slots=True)
@@ -149,8 +148,8 @@ class BlockStore:
         # slabs
         self._free_slabs = list(range(self.n_slabs - 1, -1, -1))
         self._slab_class = [-1] * self.n_slabs
-        self._slab_free_ids: list[list[int]] = [[] for _ in range(self.n_slabs)]
-        self._slab_carved = [0] * self.n_slabs
+        self._slab_pages = [array("i") for _ in range(self.n_slabs)]  # ids carved from the slab, in offset order
+        self._slab_free_ids: list[list[int]] = [[] for _ in range(self.n_slabs)]  # carved ids not in use
         self._slab_used = [0] * self.n_slabs
         self._slab_busy = [0] * self.n_slabs  # inflight or pinned pages: a slab with none can be emptied
 
@@ -169,14 +168,16 @@ class BlockStore:
         self._prev = array("i")
         self._next = array("i")
         self._ns_of = array("i")
+        self._writers = array("i")  # open save plans naming an inflight page
         self._hash: list[bytes | None] = []
-        self._free_page_ids: list[int] = []
+        self._free_page_ids: list[int] = []  # ids in no slab, popped from the end
 
         self._layouts: list[Layout] = []
         self._layout_ids: dict[bytes, int] = {}
         self._namespaces: list[NamespaceStats] = []
         self._namespace_ids: dict[str, int] = {}
-        self._inflight: dict[int, _Inflight] = {}
+        self._inflight: dict[int, int] = {}  # inflight page id -> cells written so far
+        self._inflight_deadline: dict[int, float] = {}  # the same pages -> when one without writers is reclaimed
         self._leases: dict[int, Lease] = {}
         self._lease_heap: list[tuple[float, int]] = []
         self._owner_leases: dict[str, set[int]] = {}
@@ -223,37 +224,40 @@ class BlockStore:
         if self._layouts[ns.layout_id].digest != layout.digest:  # a fingerprint collision: never mix layouts
             ns.refused["digest"] += 1
             return SavePlan(ns_id, cell_mask, (), 0, len(hashes))
-        size_class = self._size_class(layout.page_bytes)
-        now = self._clock()
+        c = self._size_class(layout.page_bytes)
+        deadline = self._clock() + self.inflight_timeout_s
+        index = ns.index
+        lookup = index.get
+        allocate = self._allocate
+        state, offset, slab_of, ns_of, hash_of = self._state, self._offset, self._slab_of, self._ns_of, self._hash
+        inflight, deadlines, writers = self._inflight, self._inflight_deadline, self._writers
+        slab_busy = self._slab_busy
         entries: list[tuple[int, int, int]] = []
-        skipped = not_stored = 0
+        add = entries.append
+        skipped = not_stored = created = 0
         exhausted = False
         for i, block_hash in enumerate(hashes):
-            pid = ns.index.get(block_hash)
-            if pid is not None:
-                if self._state[pid] == SEALED:
-                    skipped += 1
+            pid = lookup(block_hash)
+            if pid is None:
+                pid = NO_PAGE if exhausted else allocate(c)
+                if pid == NO_PAGE:
+                    exhausted = True
+                    not_stored += 1
                     continue
-                inflight = self._inflight[pid]
-                if inflight.mask & cell_mask == cell_mask:
-                    skipped += 1
-                    continue
-                inflight.writers += 1
-                entries.append((i, pid, self._offset[pid]))
+                state[pid] = INFLIGHT
+                ns_of[pid] = ns_id
+                hash_of[pid] = block_hash
+                index[block_hash] = pid
+                inflight[pid] = 0
+                deadlines[pid] = deadline
+                slab_busy[slab_of[pid]] += 1
+                created += 1
+            elif state[pid] == SEALED or inflight[pid] & cell_mask == cell_mask:
+                skipped += 1
                 continue
-            pid = NO_PAGE if exhausted else self._allocate(size_class)
-            if pid == NO_PAGE:
-                exhausted = True
-                not_stored += 1
-                continue
-            self._state[pid] = INFLIGHT
-            self._ns_of[pid] = ns_id
-            self._hash[pid] = block_hash
-            ns.index[block_hash] = pid
-            self._inflight[pid] = _Inflight(mask=0, writers=1, deadline=now + self.inflight_timeout_s)
-            self._inflight_bytes += self._class_bytes[size_class]
-            self._slab_busy[self._slab_of[pid]] += 1
-            entries.append((i, pid, self._offset[pid]))
+            writers[pid] += 1
+            add((i, pid, offset[pid]))
+        self._inflight_bytes += created * self._class_bytes[c]
         return SavePlan(ns_id, cell_mask, tuple(entries), skipped, not_stored)
 
     def finish_save(self, plan: SavePlan, ok: bool) -> int:
@@ -264,36 +268,45 @@ class BlockStore:
         be recycled for another hash while a plan naming it is open."""
         ns = self._namespaces[plan.namespace_id]
         full_mask = (1 << self._layouts[ns.layout_id].num_slots) - 1
-        completed = 0
+        written = plan.cell_mask if ok else 0
+        inflight, deadlines, writers = self._inflight, self._inflight_deadline, self._writers
+        complete: list[int] = []
         for _, pid, _ in plan.entries:
-            inflight = self._inflight.get(pid)
-            if inflight is None:  # only if the plan was finished twice (a caller bug)
+            mask = inflight.get(pid)
+            if mask is None:  # only if the plan was finished twice (a caller bug)
                 continue
-            inflight.writers -= 1
-            if ok:
-                inflight.mask |= plan.cell_mask
-            if inflight.writers == 0:
-                if inflight.mask == full_mask:
-                    self._seal(pid, ns)
-                    completed += 1
-                elif inflight.mask == 0:
-                    self._drop_inflight(pid)
-        return completed
+            mask |= written
+            left = writers[pid] - 1
+            writers[pid] = left
+            if left == 0 and mask == full_mask:
+                del inflight[pid], deadlines[pid]
+                complete.append(pid)
+            elif left == 0 and mask == 0:
+                self._drop_inflight(pid)
+            else:  # other writers still copying, or cells left for another worker
+                inflight[pid] = mask
+        if complete:
+            self._seal(complete, ns)
+        return len(complete)
 
-    def _seal(self, pid: int, ns: NamespaceStats) -> None:
-        del self._inflight[pid]
-        size = self._page_bytes(pid)
+    def _seal(self, pids: list[int], ns: NamespaceStats) -> None:
+        """Seals inflight pages of one namespace (already out of `_inflight`), each the new most recently used."""
+        state, slab_of, slab_busy = self._state, self._slab_of, self._slab_busy
+        for pid in pids:
+            state[pid] = SEALED
+            slab_busy[slab_of[pid]] -= 1
+        c = self._slab_class[slab_of[pids[0]]]
+        self._link_mru(pids, c)
+        n = len(pids)
+        size = n * self._class_bytes[c]
         self._inflight_bytes -= size
         self._sealed_bytes += size
-        self._state[pid] = SEALED
-        self._slab_busy[self._slab_of[pid]] -= 1
-        self._link_mru(pid)
-        self._resident_blocks += 1
-        ns.resident_blocks += 1
-        ns.resident_bytes += self._layouts[ns.layout_id].page_bytes
+        self._resident_blocks += n
+        ns.resident_blocks += n
+        ns.resident_bytes += n * self._layouts[ns.layout_id].page_bytes
 
     def _drop_inflight(self, pid: int) -> None:
-        del self._inflight[pid]
+        del self._inflight[pid], self._inflight_deadline[pid]
         self._inflight_bytes -= self._page_bytes(pid)
         self._slab_busy[self._slab_of[pid]] -= 1
         ns = self._namespaces[self._ns_of[pid]]
@@ -313,11 +326,12 @@ class BlockStore:
         if self._layouts[ns.layout_id].digest != layout.digest:
             ns.refused["digest"] += 1
         else:
+            lookup, state, add = ns.index.get, self._state, pages.append
             for block_hash in hashes:
-                pid = ns.index.get(block_hash)
-                if pid is None or self._state[pid] != SEALED:
+                pid = lookup(block_hash)
+                if pid is None or state[pid] != SEALED:
                     break
-                pages.append(pid)
+                add(pid)
         ns.hits += len(pages)
         ns.misses += len(hashes) - len(pages)
         if not pages:
@@ -325,8 +339,7 @@ class BlockStore:
         lease_id = self._next_lease_id
         self._next_lease_id += 1
         deadline = self._clock() + (self.lease_ttl_s if ttl_s is None else ttl_s)
-        for pid in pages:
-            self._pin(pid)
+        self._pin(pages)
         self._leases[lease_id] = Lease(lease_id, owner, tuple(pages), shares, set(), deadline)
         heapq.heappush(self._lease_heap, (deadline, lease_id))
         self._owner_leases.setdefault(owner, set()).add(lease_id)
@@ -352,8 +365,7 @@ class BlockStore:
             owned.discard(lease.lease_id)
             if not owned:
                 del self._owner_leases[lease.owner]
-        for pid in lease.pages:
-            self._unpin(pid)
+        self._unpin(lease.pages)
 
     def lease(self, lease_id: int) -> Lease | None:
         return self._leases.get(lease_id)
@@ -378,27 +390,30 @@ class BlockStore:
         stored = self._layouts[ns.layout_id]
         refusal = _compare_layouts(stored, layout)
         entries: list[tuple[int, int]] = []
+        pages: list[int] = []
         outcome, reason, message = "loaded", "", ""
         if refusal is not None and hashes:
             outcome = "refused"
             reason, message = refusal
             ns.refused[reason] += 1
         else:
+            lookup, state, offset = ns.index.get, self._state, self._offset
+            add, add_page = entries.append, pages.append
             for block_hash in hashes:
-                pid = ns.index.get(block_hash)
-                if pid is None or self._state[pid] != SEALED:
+                pid = lookup(block_hash)
+                if pid is None or state[pid] != SEALED:
                     outcome = "missing"
                     message = f"block {len(entries)} of the request ({block_hash.hex()[:16]}…) is not resident"
                     break
-                self._pin(pid)
-                entries.append((pid, self._offset[pid]))
+                add_page(pid)
+                add((pid, offset[pid]))
+            self._pin(pages)
         if lease_id and (lease := self._leases.get(lease_id)) is not None and lease.owner != owner:
             lease_id = 0
         return LoadPlan(ns_id, tuple(entries), outcome, reason, message, lease_id, worker_key)
 
     def finish_load(self, plan: LoadPlan) -> None:
-        for pid, _ in plan.entries:
-            self._unpin(pid)
+        self._unpin([pid for pid, _ in plan.entries])
         lease = self._leases.get(plan.lease_id) if plan.lease_id else None
         if lease is not None:
             lease.consumed.add(plan.worker_key)
@@ -411,11 +426,12 @@ class BlockStore:
         """Reclaims inflight pages past their timeout and ends expired leases."""
         now = self._clock()
         if self._inflight:
+            writers = self._writers
             stale = []
-            for pid, inflight in self._inflight.items():
-                if inflight.deadline > now:
+            for pid, deadline in self._inflight_deadline.items():
+                if deadline > now:
                     break  # deadlines grow with insertion order
-                if inflight.writers == 0:
+                if writers[pid] == 0:
                     stale.append(pid)
             for pid in stale:
                 self._drop_inflight(pid)
@@ -454,117 +470,176 @@ class BlockStore:
         return self._class_bytes[self._slab_class[self._slab_of[pid]]]
 
     def _new_page_id(self) -> int:
-        if self._free_page_ids:
-            return self._free_page_ids.pop()
-        pid = len(self._hash)
-        for arr in (self._offset, self._slab_of, self._pins, self._prev, self._next, self._ns_of):
-            arr.append(0)
-        self._state.append(FREE)
-        self._hash.append(None)
-        return pid
+        if not self._free_page_ids:
+            start = len(self._hash)
+            for arr in (
+                self._offset,
+                self._slab_of,
+                self._state,  # zero is FREE
+                self._pins,
+                self._prev,
+                self._next,
+                self._ns_of,
+                self._writers,
+            ):
+                arr.frombytes(bytes(PAGE_TABLE_CHUNK * arr.itemsize))
+            self._hash.extend([None] * PAGE_TABLE_CHUNK)
+            self._free_page_ids.extend(range(start + PAGE_TABLE_CHUNK - 1, start - 1, -1))
+        return self._free_page_ids.pop()
 
     def _allocate(self, c: int) -> int:
+        """A page of class c, counted as used in its slab (its state is the caller's to set), or NO_PAGE. In order
+        of preference: a free page of a slab the class holds, a free slab, the class's own least recently used
+        page (evicted and reused in place), a whole slab of another class (emptied)."""
+        partial = self._class_partial[c]
         while True:
-            partial = self._class_partial[c]
             if partial:
-                return self._take_from_slab(next(iter(partial)), c)
+                slab = next(iter(partial))
+                free_ids = self._slab_free_ids[slab]
+                pid = free_ids.pop() if free_ids else self._carve(slab, c)
+                used = self._slab_used[slab] + 1
+                self._slab_used[slab] = used
+                if used == self._class_capacity[c]:
+                    del partial[slab]
+                return pid
             if self._free_slabs:
                 slab = self._free_slabs.pop()
                 self._slab_class[slab] = c
                 partial[slab] = None
                 continue
-            if not self._evict_for(c):
+            sentinel = self._class_lru[c]
+            victim = self._prev[sentinel]
+            if victim != sentinel:
+                self._evict(victim, self._class_bytes[c])
+                return victim
+            if not self._empty_slab_for(c):
                 return NO_PAGE
 
-    def _take_from_slab(self, slab: int, c: int) -> int:
-        free_ids = self._slab_free_ids[slab]
-        if free_ids:
-            pid = free_ids.pop()
-        else:
-            pid = self._new_page_id()
-            self._offset[pid] = slab * self.slab_bytes + self._slab_carved[slab] * self._class_bytes[c]
-            self._slab_of[pid] = slab
-            self._slab_carved[slab] += 1
-        self._slab_used[slab] += 1
-        if self._slab_used[slab] == self._class_capacity[c]:
-            del self._class_partial[c][slab]
+    def _carve(self, slab: int, c: int) -> int:
+        """The next page id of a slab, at the next page offset."""
+        pages = self._slab_pages[slab]
+        pid = self._new_page_id()
+        self._offset[pid] = slab * self.slab_bytes + len(pages) * self._class_bytes[c]
+        self._slab_of[pid] = slab
+        pages.append(pid)
         return pid
 
     def _free(self, pid: int) -> None:
         self._state[pid] = FREE
         self._hash[pid] = None
         slab = self._slab_of[pid]
-        c = self._slab_class[slab]
         self._slab_free_ids[slab].append(pid)
         self._slab_used[slab] -= 1
-        self._class_partial[c][slab] = None
         if self._slab_used[slab] == 0:  # give the whole slab back so any class can use it
-            del self._class_partial[c][slab]
-            self._free_page_ids.extend(self._slab_free_ids[slab])
-            self._slab_free_ids[slab] = []
-            self._slab_carved[slab] = 0
-            self._slab_class[slab] = -1
-            self._free_slabs.append(slab)
+            self._release_slab(slab)
+        else:
+            self._class_partial[self._slab_class[slab]][slab] = None
 
-    def _evict_for(self, c: int) -> bool:
-        """Frees room for one page of class c, or changes nothing and returns False."""
-        sentinel = self._class_lru[c]
-        victim = self._prev[sentinel]
-        if victim != sentinel:
-            self._evict(victim)
-            return True
-        # Nothing evictable in this class: empty the emptiest slab of another class whose pages are all evictable.
+    def _release_slab(self, slab: int) -> None:
+        """Returns a slab none of whose pages is in use to the pool, and its page ids to the page table."""
+        self._class_partial[self._slab_class[slab]].pop(slab, None)
+        self._free_page_ids.extend(self._slab_pages[slab])
+        self._slab_pages[slab] = array("i")
+        self._slab_free_ids[slab] = []
+        self._slab_class[slab] = -1
+        self._free_slabs.append(slab)
+
+    def _empty_slab_for(self, c: int) -> bool:
+        """Nothing evictable in class c: empties the emptiest slab of another class whose pages are all evictable
+        and gives it back to the pool. Returns False, changing nothing, when there is none."""
         candidates = [s for s in range(self.n_slabs) if self._slab_class[s] not in (-1, c) and self._slab_busy[s] == 0]
         if not candidates:
             return False
         slab = min(candidates, key=self._slab_used.__getitem__)
-        in_slab = np.frombuffer(self._slab_of, dtype=np.int32) == slab
-        victims = np.flatnonzero(in_slab & (np.frombuffer(self._state, dtype=np.int8) == SEALED)).tolist()
-        del in_slab  # the arrays may not grow while numpy views of them exist
-        for pid in victims:
-            self._evict(pid)
+        state, hash_of, ns_of, namespaces = self._state, self._hash, self._ns_of, self._namespaces
+        prev, nxt = self._prev, self._next
+        evicted: dict[int, int] = {}  # namespace id -> its pages evicted
+        for pid in self._slab_pages[slab]:  # free or sealed and unpinned: the slab is not busy
+            if state[pid] == SEALED:
+                p, q = prev[pid], nxt[pid]
+                nxt[p] = q
+                prev[q] = p
+                ns_id = ns_of[pid]
+                del namespaces[ns_id].index[hash_of[pid]]  # type: ignore[arg-type]
+                evicted[ns_id] = evicted.get(ns_id, 0) + 1
+                state[pid] = FREE
+                hash_of[pid] = None
+        for ns_id, count in evicted.items():
+            ns = namespaces[ns_id]
+            ns.resident_blocks -= count
+            ns.resident_bytes -= count * self._layouts[ns.layout_id].page_bytes
+        total = sum(evicted.values())
+        assert total == self._slab_used[slab]
+        self._resident_blocks -= total
+        self._sealed_bytes -= total * self._class_bytes[self._slab_class[slab]]
+        self._evictions += total
+        self._slab_used[slab] = 0
+        self._release_slab(slab)
         return True
 
-    def _evict(self, pid: int) -> None:
-        self._unlink(pid)
+    def _evict(self, pid: int, size: int) -> None:
+        """Takes an unpinned sealed page of `size` class bytes out of the LRU ring, the index and the counts. It
+        stays in use in its slab: the caller reuses it and sets its state and hash."""
+        prev, nxt = self._prev, self._next
+        p, n = prev[pid], nxt[pid]
+        nxt[p] = n
+        prev[n] = p
         ns = self._namespaces[self._ns_of[pid]]
         del ns.index[self._hash[pid]]  # type: ignore[arg-type]
         ns.resident_blocks -= 1
         ns.resident_bytes -= self._layouts[ns.layout_id].page_bytes
         self._resident_blocks -= 1
-        self._sealed_bytes -= self._page_bytes(pid)
+        self._sealed_bytes -= size
         self._evictions += 1
-        self._free(pid)
 
     # LRU ring per class: sentinel.next is the most recently used page, sentinel.prev the least.
-    def _link_mru(self, pid: int) -> None:
-        sentinel = self._class_lru[self._slab_class[self._slab_of[pid]]]
-        first = self._next[sentinel]
-        self._prev[pid] = sentinel
-        self._next[pid] = first
-        self._prev[first] = pid
-        self._next[sentinel] = pid
+    def _link_mru(self, pids: Sequence[int], c: int) -> None:
+        """Puts pages of class c at the most recently used end, in order (the last is the most recent)."""
+        prev, nxt = self._prev, self._next
+        sentinel = self._class_lru[c]
+        first = nxt[sentinel]
+        for pid in pids:
+            prev[first] = pid
+            nxt[pid] = first
+            first = pid
+        prev[first] = sentinel
+        nxt[sentinel] = first
 
-    def _unlink(self, pid: int) -> None:
-        prev, nxt = self._prev[pid], self._next[pid]
-        self._next[prev] = nxt
-        self._prev[nxt] = prev
+    def _pin(self, pids: Sequence[int]) -> None:
+        """Pins sealed pages of one namespace (so of one size class); a page may be listed more than once."""
+        pins, prev, nxt, slab_busy, slab_of = self._pins, self._prev, self._next, self._slab_busy, self._slab_of
+        newly = 0
+        for pid in pids:
+            n = pins[pid]
+            if n == 0:  # out of the LRU ring: pinned pages are never evicted
+                p, q = prev[pid], nxt[pid]
+                nxt[p] = q
+                prev[q] = p
+                slab_busy[slab_of[pid]] += 1
+                newly += 1
+            pins[pid] = n + 1
+        if newly:
+            self._pinned_blocks += newly
+            self._pinned_bytes += newly * self._page_bytes(pids[0])
 
-    def _pin(self, pid: int) -> None:
-        if self._pins[pid] == 0:
-            self._unlink(pid)
-            self._slab_busy[self._slab_of[pid]] += 1
-            self._pinned_blocks += 1
-            self._pinned_bytes += self._page_bytes(pid)
-        self._pins[pid] += 1
-
-    def _unpin(self, pid: int) -> None:
-        self._pins[pid] -= 1
-        if self._pins[pid] == 0:
-            self._link_mru(pid)
-            self._slab_busy[self._slab_of[pid]] -= 1
-            self._pinned_blocks -= 1
-            self._pinned_bytes -= self._page_bytes(pid)
+    def _unpin(self, pids: Sequence[int]) -> None:
+        """Drops one pin of each page (of one namespace, as pinned by _pin). A page left without pins becomes the
+        most recently used, in list order."""
+        if not pids:
+            return
+        pins, slab_busy, slab_of = self._pins, self._slab_busy, self._slab_of
+        unpinned = []
+        for pid in pids:
+            n = pins[pid] - 1
+            pins[pid] = n
+            if n == 0:
+                slab_busy[slab_of[pid]] -= 1
+                unpinned.append(pid)
+        if unpinned:
+            c = self._slab_class[slab_of[pids[0]]]
+            self._link_mru(unpinned, c)
+            self._pinned_blocks -= len(unpinned)
+            self._pinned_bytes -= len(unpinned) * self._class_bytes[c]
 
     # ---------------------------------------------------------------- introspection
 
@@ -610,8 +685,12 @@ class BlockStore:
             if state == SENTINEL:
                 continue
             slab = self._slab_of[pid]
+            if state == INFLIGHT:
+                assert pid in self._inflight and self._pins[pid] == 0 and self._writers[pid] >= 0
+            else:
+                assert self._writers[pid] == 0
             if state == FREE:
-                assert self._pins[pid] == 0
+                assert self._pins[pid] == 0 and self._hash[pid] is None
                 continue
             counted[state] += 1
             by_state_bytes[state] += self._page_bytes(pid)
@@ -619,33 +698,65 @@ class BlockStore:
             ns = self._namespaces[self._ns_of[pid]]
             assert ns.index.get(self._hash[pid]) == pid  # type: ignore[arg-type]
             if state == INFLIGHT:
-                assert pid in self._inflight and self._pins[pid] == 0
                 slab_busy[slab] += 1
             elif self._pins[pid] > 0:
                 pinned += 1
                 slab_busy[slab] += 1
         assert counted[INFLIGHT] == len(self._inflight)
+        assert list(self._inflight) == list(self._inflight_deadline)
+        deadlines = list(self._inflight_deadline.values())
+        assert deadlines == sorted(deadlines)  # expire() stops at the first deadline still ahead
         assert counted[SEALED] == self._resident_blocks
         assert by_state_bytes[INFLIGHT] == self._inflight_bytes
         assert by_state_bytes[SEALED] == self._sealed_bytes
         assert pinned == self._pinned_blocks
         assert slab_used == self._slab_used and slab_busy == self._slab_busy
         free = len(self._free_slabs) * self.slab_bytes
+        owned_ids: set[int] = set()
         for s in range(self.n_slabs):
-            if self._slab_class[s] >= 0:
-                assert self._slab_used[s] > 0
-                free += self.slab_bytes - self._slab_used[s] * self._class_bytes[self._slab_class[s]]
+            c = self._slab_class[s]
+            pages, free_ids = self._slab_pages[s], self._slab_free_ids[s]
+            if c < 0:
+                assert s in self._free_slabs and not pages and not free_ids and self._slab_used[s] == 0
+                continue
+            assert self._slab_used[s] > 0
+            free += self.slab_bytes - self._slab_used[s] * self._class_bytes[c]
+            # the slab's ids are its carved pages, at consecutive offsets; the free ones are exactly those FREE
+            assert len(pages) <= self._class_capacity[c]
+            for k, pid in enumerate(pages):
+                assert self._slab_of[pid] == s and self._offset[pid] == s * self.slab_bytes + k * self._class_bytes[c]
+            assert sorted(free_ids) == sorted(pid for pid in pages if self._state[pid] == FREE)
+            assert len(pages) - len(free_ids) == self._slab_used[s]
+            assert (s in self._class_partial[c]) == (self._slab_used[s] < self._class_capacity[c])
+            owned_ids.update(pages)
+        # every page id is a sentinel, a page of one slab, or free in the page table: none leaks or doubles
+        unowned = set(self._free_page_ids)
+        assert len(owned_ids) == sum(len(p) for p in self._slab_pages) and len(unowned) == len(self._free_page_ids)
+        assert not owned_ids & unowned and all(self._state[pid] == FREE for pid in unowned)
+        assert len(self._class_lru) + len(owned_ids) + len(unowned) == len(self._hash)
         assert free + self._inflight_bytes + self._sealed_bytes == self.arena_bytes
-        lru_pages = sum(len(self.lru_order(b)) for b in self._class_bytes)
+        lru_pages = 0
+        for sentinel in self._class_lru:
+            pid = self._next[sentinel]
+            while pid != sentinel:
+                assert self._state[pid] == SEALED and self._pins[pid] == 0
+                assert self._prev[self._next[pid]] == pid
+                lru_pages += 1
+                pid = self._next[pid]
         assert lru_pages == self._resident_blocks - self._pinned_blocks
         pins_by_leases = Counter(pid for lease in self._leases.values() for pid in lease.pages)
         for pid, n in pins_by_leases.items():
             assert self._pins[pid] >= n
-        assert sum(ns.resident_blocks for ns in self._namespaces) == self._resident_blocks
+        resident = Counter(self._ns_of[pid] for pid in range(len(self._hash)) if self._state[pid] == SEALED)
+        for ns_id, ns in enumerate(self._namespaces):
+            assert ns.resident_blocks == resident[ns_id]
+            assert ns.resident_bytes == ns.resident_blocks * self._layouts[ns.layout_id].page_bytes
 
 
 def _compare_layouts(stored: Layout, instance: Layout) -> tuple[str, str] | None:
     """Why pages of `stored` may not be loaded by an instance of `instance`, or None when they may."""
+    if stored.digest == instance.digest:  # the descriptor fixes every slot: nothing else can differ
+        return None
     if stored.num_slots != instance.num_slots:
         return "slot_count", f"stored block has {stored.num_slots} slots but instance expects {instance.num_slots}"
     for slot, (have, want) in enumerate(zip(stored.slot_sizes, instance.slot_sizes, strict=True)):
