@@ -187,10 +187,10 @@ class Layout:
     slot_offsets: tuple[int, ...]  # (layer_id * tp_size + tp_rank) -> byte offset in the page
     slot_sizes: tuple[int, ...]
     page_bytes: int
+    fingerprint: str = field(init=False, repr=False, compare=False)  # digest.hex()[:8], computed once
 
-    @property
-    def fingerprint(self) -> str:
-        return self.digest.hex()[:FINGERPRINT_HEX_CHARS]
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fingerprint", self.digest.hex()[:FINGERPRINT_HEX_CHARS])
 
     @property
     def num_slots(self) -> int:
@@ -240,10 +240,10 @@ class SealedInstance:
     layer_ids: dict[str, int]
     # worker key (tp_rank, pp_rank) -> the dense ids of the layers that worker holds, in its registration order
     worker_layer_ids: dict[tuple[int, int], tuple[int, ...]]
+    namespace_final: str = field(init=False, repr=False, compare=False)  # computed once: every RPC returns it
 
-    @property
-    def namespace_final(self) -> str:
-        return f"{self.namespace}.{self.layout.fingerprint}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "namespace_final", f"{self.namespace}.{self.layout.fingerprint}")
 
     def cell_mask(self, worker_key: tuple[int, int]) -> int:
         """Bit (layer_id * tp_size + tp_rank) set for every slot that worker writes."""

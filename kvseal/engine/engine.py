@@ -244,7 +244,7 @@ class Engine:
     # ---------------------------------------------------------------- data path
 
     def save(self, worker: WorkerKey, hashes: Sequence[bytes], block_ids: Sequence[int]) -> SaveResult:
-        _check_blocks(hashes, block_ids)
+        hashes, block_ids = _check_blocks(hashes, block_ids)
         with self._lock:
             inst, w = self._find_sealed_worker(worker)
             _check_block_range(block_ids, w.num_blocks)
@@ -274,7 +274,7 @@ class Engine:
     def load(
         self, worker: WorkerKey, hashes: Sequence[bytes], block_ids: Sequence[int], lease_id: int = 0
     ) -> LoadResult:
-        _check_blocks(hashes, block_ids)
+        hashes, block_ids = _check_blocks(hashes, block_ids)
         with self._lock:
             inst, w = self._find_sealed_worker(worker)
             _check_block_range(block_ids, w.num_blocks)
@@ -303,7 +303,7 @@ class Engine:
         return LoadResult(plan.outcome, len(plan.entries), plan.reason, plan.message)
 
     def query(self, instance_id: str, hashes: Sequence[bytes], lease_ttl_ms: int = 0) -> QueryResult:
-        _check_hashes(hashes)
+        hashes = _check_hashes(hashes)
         if not 0 <= lease_ttl_ms <= MAX_LEASE_TTL_MS:
             raise InvalidArgument(f"lease_ttl_ms must be in 0..{MAX_LEASE_TTL_MS}, got {lease_ttl_ms}")
         with self._lock:
@@ -431,18 +431,24 @@ class Engine:
             )
 
 
-def _check_hashes(hashes: Sequence[bytes]) -> None:
+def _check_hashes(hashes: Sequence[bytes]) -> list[bytes]:
+    """The checked hashes as a list: a protobuf repeated field builds a new bytes object on every access, so it
+    is walked once here and the list is what the store and the copier walk."""
     if len(hashes) > MAX_BLOCKS_PER_REQUEST:
         raise InvalidArgument(f"block_hashes: at most {MAX_BLOCKS_PER_REQUEST} per request, got {len(hashes)}")
+    hashes = list(hashes)
     if hashes and (min(map(len, hashes)) == 0 or max(map(len, hashes)) > MAX_HASH_BYTES):
         bad = next(i for i, h in enumerate(hashes) if not 0 < len(h) <= MAX_HASH_BYTES)
         raise InvalidArgument(f"block_hashes[{bad}] must be 1..{MAX_HASH_BYTES} bytes, got {len(hashes[bad])}")
+    return hashes
 
 
-def _check_blocks(hashes: Sequence[bytes], block_ids: Sequence[int]) -> None:
-    _check_hashes(hashes)
+def _check_blocks(hashes: Sequence[bytes], block_ids: Sequence[int]) -> tuple[list[bytes], list[int]]:
+    """The checked hashes and block ids, as lists (see _check_hashes)."""
+    hashes = _check_hashes(hashes)
     if len(block_ids) != len(hashes):
         raise InvalidArgument(f"block_ids has {len(block_ids)} entries but block_hashes has {len(hashes)}")
+    return hashes, list(block_ids)
 
 
 def _check_block_range(block_ids: Sequence[int], num_blocks: int) -> None:
