@@ -4,7 +4,8 @@
 
 Keys: model, prompts, engine (null = no connector), namespace, block_size (128), dtype (float32), max_tokens (8),
 connector ("KVSealConnector" or "ExampleConnector"), storage (ExampleConnector's path), speculative (a dict),
-load_format, no_prefix_caching, interactive (read prompts from stdin instead, answer with "STEP {...}" lines).
+load_format, no_prefix_caching, hash_algo (prefix_caching_hash_algo), interactive (read prompts from stdin
+instead, answer with "STEP {...}" lines).
 Each prompt runs in its own generate() call, in order. Output: {"outputs": [[ids]...], "external_hits": N,
 "seconds": [...]} where external_hits is vLLM's own count of tokens served by the connector.
 """
@@ -58,6 +59,8 @@ def main() -> None:
         )
     if args.get("no_prefix_caching"):
         kwargs["enable_prefix_caching"] = False
+    if args.get("hash_algo"):
+        kwargs["prefix_caching_hash_algo"] = args["hash_algo"]
     llm = LLM(**kwargs)
     params = SamplingParams(max_tokens=args.get("max_tokens", 8), temperature=0)
     if args.get("interactive"):

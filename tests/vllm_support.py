@@ -40,15 +40,26 @@ def build_model(out: Path, **kwargs: Any) -> Path:
     return out
 
 
-def run_vllm(args: dict[str, Any], **env: str) -> dict[str, Any]:
-    """Runs tests/vllm_run.py with `args` and returns its RESULT; fails the test with vLLM's output otherwise."""
-    proc = subprocess.run(
+def shared_model(factory: pytest.TempPathFactory, **kwargs: Any) -> Path:
+    """build_model once per pytest session for these arguments, shared by the modules that ask for the same."""
+    name = "-".join(f"{k}{v}" for k, v in sorted(kwargs.items())) or "default"
+    return build_model(factory.getbasetemp() / "vllm-models" / name, **kwargs)
+
+
+def run_vllm_raw(args: dict[str, Any], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Runs tests/vllm_run.py with `args` in exactly `env` and returns the finished process, failed or not."""
+    return subprocess.run(
         [sys.executable, str(TESTS / "vllm_run.py"), json.dumps(args)],
-        env=vllm_env(**env),
+        env=env,
         capture_output=True,
         text=True,
         timeout=VLLM_TIMEOUT_S,
     )
+
+
+def run_vllm(args: dict[str, Any], **env: str) -> dict[str, Any]:
+    """Runs tests/vllm_run.py with `args` and returns its RESULT; fails the test with vLLM's output otherwise."""
+    proc = run_vllm_raw(args, vllm_env(**env))
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line.removeprefix("RESULT "))
