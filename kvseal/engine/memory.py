@@ -89,9 +89,23 @@ class MappedFile:
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
+        _populate(self._map)
         self.bytes = np.frombuffer(self._map, dtype=np.uint8)
         self.path = path
         self.size = size
+
+
+# Linux 5.14+: map every page of a file now. The worker's pages exist already, but the engine's first write to
+# each 4 KiB page of its own mapping would fault, which halves the speed of the first loads into it (measured:
+# 28 MiB load 12-17 ms untouched, 3.3 ms mapped, 5.2 ms to populate once).
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _populate(mapping: mmap.mmap) -> None:
+    try:
+        mapping.madvise(_MADV_POPULATE_WRITE)
+    except OSError:
+        pass  # an older kernel: pages fault in on first use instead
 
 
 def layer_extent(num_blocks: int, segments: int, segment_bytes: int, strides: tuple[int, ...]) -> int:

