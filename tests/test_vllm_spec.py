@@ -3,7 +3,7 @@ actually allocated, so an instance with drafter layers (MTP, EAGLE) and one with
 config field such as `num_nextn_predict_layers` with speculative decoding off changes nothing. Also: the connector
 refuses to start when vLLM's block hashes would differ between processes.
 
-Models are built here: a tiny random Llama (tests/vllm_model.py) and config-only dirs (MiMo with one MTP layer, an
+Models are built here: a tiny random Llama (kvseal.testing.llama) and config-only dirs (MiMo with one MTP layer, an
 EAGLE draft) run with load_format="dummy"."""
 
 from __future__ import annotations

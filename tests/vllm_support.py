@@ -32,10 +32,10 @@ def vllm_env(**extra: str) -> dict[str, str]:
 
 
 def build_model(out: Path, **kwargs: Any) -> Path:
-    """A tiny random Llama (see tests/vllm_model.py), built in a subprocess (transformers is slow to import)."""
+    """A tiny random Llama (kvseal.testing.llama), built in a subprocess (transformers is slow to import)."""
     if not (out / "config.json").exists():
         args = json.dumps({"out": str(out), **kwargs})
-        code = f"import json, vllm_model; vllm_model.build(**json.loads({args!r}))"
+        code = f"import json; from kvseal.testing import llama; llama.build(**json.loads({args!r}))"
         subprocess.run([sys.executable, "-c", code], cwd=TESTS, env=vllm_env(), check=True, timeout=300)
     return out
 
