@@ -11,9 +11,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvseal.core.layout import (
@@ -83,8 +82,7 @@ class EngineCounters:
     saves: int = 0
     load_bytes: int = 0
     load_seconds: float = 0.0
-    loads: int = 0
-    refusals: Counter[str] = field(default_factory=Counter)
+    loads: int = 0  # refusals are counted per namespace by the store
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,8 +286,6 @@ class Engine:
                 owner=worker[0],
                 worker_key=(worker[1], worker[2]),
             )
-            if plan.outcome == "refused":
-                self.counters.refusals[plan.reason] += 1
         start = time.perf_counter()
         try:
             w.copier.load(plan.entries, block_ids)
@@ -419,13 +415,9 @@ class Engine:
 
     def statistics(self) -> EngineStatistics:
         with self._lock:
-            c = self.counters
-            counters = EngineCounters(
-                c.save_bytes, c.save_seconds, c.saves, c.load_bytes, c.load_seconds, c.loads, Counter(c.refusals)
-            )
             return EngineStatistics(
                 store=self.store.statistics(),
-                counters=counters,
+                counters=dataclasses.replace(self.counters),
                 instances=len(self._instances),
                 workers=sum(len(i.workers) for i in self._instances.values()),
             )
