@@ -39,7 +39,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,8 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 import vllm_ttft_model  # noqa: E402
+
+from kvseal.bench.engine import stop_process  # noqa: E402
 
 RUNS = (
     ("base", "none"),
@@ -120,13 +121,7 @@ class Engine:
         return out
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=15)
+        stop_process(self.proc)
         self._log.close()
 
 
