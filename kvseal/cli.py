@@ -49,9 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--allow-remote", action="store_true", help="allow non-loopback addresses (needs a token)")
     serve.add_argument("--token", default=os.environ.get("KVSEAL_TOKEN"), help="shared bearer token")
     serve.add_argument(
-        "--query-socket",
+        "--lane-socket",
         default="auto",
-        help="unix socket of the fast Query/Release lane ('auto': beside --listen or in the temp dir; '' = off)",
+        help="unix socket of the local lane for Query/Release/Save/Load ('auto': beside --listen or in the temp dir; "
+        "'' = off)",
     )
     serve.add_argument("--no-prefault", action="store_true", help="do not fault the pool in at start")
     serve.add_argument("--log-level", default="INFO")
@@ -82,7 +83,7 @@ def _serve(args: argparse.Namespace) -> int:
         allow_remote=args.allow_remote,
         token=args.token,
         prefault=not args.no_prefault,
-        query_socket=args.query_socket,
+        lane_socket=args.lane_socket,
     )
     server = EngineServer(cfg)
     server.start()

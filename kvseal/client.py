@@ -18,12 +18,12 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 
-from kvseal import fastquery as fq
+from kvseal import lane as ln
 from kvseal.errors import KvsealError, error_for_status
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
@@ -60,7 +60,7 @@ class EngineClient:
         *,
         token: str | None = None,
         timeout: float = 30.0,
-        use_query_lane: bool = True,
+        use_lane: bool = True,
     ) -> None:
         self.target = target
         self.timeout = timeout
@@ -70,8 +70,8 @@ class EngineClient:
             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
         )
         self._stub = pb_grpc.EngineStub(self._channel)
-        self._use_query_lane = use_query_lane and not token
-        self._lane: _QueryLane | None = None
+        self._use_lane = use_lane and not token  # the lane has no token: a token-protected engine is gRPC only
+        self._lane: _Lane | None = None
         self._lane_retry_at = 0.0
 
     def close(self) -> None:
@@ -124,51 +124,72 @@ class EngineClient:
         )
         return self._call("Register", request).status
 
+    # Query, Release, Save and Load take the local lane when the engine offers one (kvseal.lane); a request the
+    # lane cannot frame, or a lane that broke, goes over gRPC instead.
+
     def save(self, worker: WorkerKey, hashes: Sequence[bytes], block_ids: Sequence[int]) -> pb.SaveResponse:
+        body = self._lane_call(ln.encode_save, worker, hashes, block_ids)
+        if body is not None:
+            written, skipped, not_stored, completed, ns = ln.decode_save_ok(body)
+            return pb.SaveResponse(
+                written=written, skipped=skipped, not_stored=not_stored, completed=completed, namespace_final=ns
+            )
         return self._call("Save", pb.SaveRequest(worker=_worker(worker), block_hashes=hashes, block_ids=block_ids))
 
     def load(
         self, worker: WorkerKey, hashes: Sequence[bytes], block_ids: Sequence[int], lease_id: int = 0
     ) -> pb.LoadResponse:
+        body = self._lane_call(ln.encode_load, worker, hashes, block_ids, lease_id)
+        if body is not None:
+            outcome, loaded, reason, message = ln.decode_load_ok(body)
+            return pb.LoadResponse(outcome=outcome, loaded=loaded, reason=reason, message=message)  # type: ignore[arg-type]
         request = pb.LoadRequest(worker=_worker(worker), block_hashes=hashes, block_ids=block_ids, lease_id=lease_id)
         return self._call("Load", request)
-
-    def info(self) -> pb.InfoResponse:
-        return self._call("Info", pb.InfoRequest())
 
     def query(
         self, instance_id: str, hashes: Sequence[bytes], *, request_id: str = "", lease_ttl_ms: int = 0
     ) -> pb.QueryResponse:
-        """Leading resident hashes and their lease, over the query lane when the engine offers one."""
-        lane = self._query_lane()
-        if lane is not None and all(0 < len(h) < 256 for h in hashes):
-            body = lane.call(fq.encode_query(instance_id, list(hashes), lease_ttl_ms))
-            if body is not None:
-                hits, lease_id, ttl, ns = fq.decode_query_ok(body)
-                return pb.QueryResponse(hits=hits, lease_id=lease_id, lease_ttl_ms=ttl, namespace_final=ns)
+        """Leading resident hashes and their lease."""
+        body = self._lane_call(ln.encode_query, instance_id, hashes, lease_ttl_ms)
+        if body is not None:
+            hits, lease_id, ttl, ns = ln.decode_query_ok(body)
+            return pb.QueryResponse(hits=hits, lease_id=lease_id, lease_ttl_ms=ttl, namespace_final=ns)
         request = pb.QueryRequest(
             instance_id=instance_id, block_hashes=hashes, request_id=request_id, lease_ttl_ms=lease_ttl_ms
         )
         return self._call("Query", request)
 
     def release(self, instance_id: str, lease_id: int) -> None:
-        lane = self._query_lane()
-        if lane is not None and lane.call(fq.encode_release(instance_id, lease_id)) is not None:
-            return
-        self._call("Release", pb.ReleaseRequest(instance_id=instance_id, lease_id=lease_id))
+        if self._lane_call(ln.encode_release, instance_id, lease_id) is None:
+            self._call("Release", pb.ReleaseRequest(instance_id=instance_id, lease_id=lease_id))
 
-    def _query_lane(self) -> _QueryLane | None:
-        if not self._use_query_lane:
+    def info(self) -> pb.InfoResponse:
+        return self._call("Info", pb.InfoRequest())
+
+    def _lane_call(self, encode: Callable[..., bytes], *args: Any) -> bytes | None:
+        """The OK body of the engine's answer over the lane, or None when the request goes over gRPC instead.
+        The engine's errors are raised."""
+        lane = self._lane_for_call()
+        if lane is None:
+            return None
+        try:
+            frame = encode(*args)
+        except ln.Unframeable:
+            return None
+        return lane.call(frame)
+
+    def _lane_for_call(self) -> _Lane | None:
+        if not self._use_lane:
             return None
         if self._lane is None or self._lane.path == "":
             if time.monotonic() < self._lane_retry_at:
                 return None
             self._lane_retry_at = time.monotonic() + 5.0
             try:
-                path = self.info().query_socket
+                path = self.info().lane_socket
             except KvsealError:
                 return None
-            self._lane = _QueryLane(path)
+            self._lane = _Lane(path)
         return self._lane if self._lane.path else None
 
     def unregister(self, worker: WorkerKey) -> int:
@@ -182,8 +203,8 @@ class EngineClient:
             raise error_for_status(e.code().name, e.details() or "") from None
 
 
-class _QueryLane:
-    """One connection to the engine's query lane (kvseal.fastquery). `call` returns the OK body, raises the
+class _Lane:
+    """One connection to the engine's local lane (kvseal.lane). `call` returns the OK body, raises the
     engine's error, or returns None when the lane is unusable (the caller then uses gRPC)."""
 
     def __init__(self, path: str) -> None:
@@ -200,15 +221,15 @@ class _QueryLane:
                     self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                     self._sock.connect(self.path)
                 self._sock.sendall(frame)
-                reply = fq.read_frame(self._sock)
+                reply = ln.read_frame(self._sock)
                 if reply is None:
-                    raise ConnectionError("the engine closed the query lane")
+                    raise ConnectionError("the engine closed the lane")
             except (OSError, KvsealError):
                 self._close_locked()
                 return None
         code, body = reply
         if code != 0:
-            raise error_for_status(fq.STATUS_NAMES.get(code, "INTERNAL"), body.decode(errors="replace"))
+            raise error_for_status(ln.STATUS_NAMES.get(code, "INTERNAL"), body.decode(errors="replace"))
         return body
 
     def close(self) -> None:

@@ -452,7 +452,7 @@ def query_latency(
             out.misses += r.hits != QUERY_HASHES
     m1 = engine.metrics()
     if m0 and m1:
-        # the client takes the query lane when the engine offers one (its calls are counted as lane.Query)
+        # the client takes the local lane when the engine offers one (its calls are counted as lane.Query)
         method = "lane.Query" if _rpc_count(m1, "lane.Query") > _rpc_count(m0, "lane.Query") else "Query"
         calls = _rpc_count(m1, method) - _rpc_count(m0, method)
         out.handler_s = (_rpc_sum(m1, method) - _rpc_sum(m0, method)) / max(calls, 1)

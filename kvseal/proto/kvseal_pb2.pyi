@@ -250,11 +250,11 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "pool_bytes", "query_socket")
+    __slots__ = ("version", "pool_bytes", "lane_socket")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    QUERY_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    LANE_SOCKET_FIELD_NUMBER: _ClassVar[int]
     version: str
     pool_bytes: int
-    query_socket: str
-    def __init__(self, version: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., query_socket: _Optional[str] = ...) -> None: ...
+    lane_socket: str
+    def __init__(self, version: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., lane_socket: _Optional[str] = ...) -> None: ...

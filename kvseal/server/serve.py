@@ -17,8 +17,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvseal.engine.engine import Engine
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
 from kvseal.server.http import HttpServer
+from kvseal.server.lane import LaneServer
 from kvseal.server.metrics import Metrics
-from kvseal.server.querylane import QueryLaneServer
 from kvseal.server.service import EngineService
 
 log = logging.getLogger("kvseal.server")
@@ -37,7 +37,7 @@ class ServeConfig:
     token: str | None = None
     max_workers: int = 128
     prefault: bool = True
-    query_socket: str = "auto"  # unix socket path of the query lane; "auto" derives one, "" turns it off
+    lane_socket: str = "auto"  # unix socket path of the local lane; "auto" derives one, "" turns it off
 
 
 def is_loopback(address: str) -> bool:
@@ -109,7 +109,7 @@ class EngineServer:
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         self._http: HttpServer | None = None
-        self._lane: QueryLaneServer | None = None
+        self._lane: LaneServer | None = None
         self._stop = threading.Event()
         self.port = 0
 
@@ -136,17 +136,17 @@ class EngineServer:
                 self._grpc.stop(0)
                 raise SystemExit(f"cannot listen on {self.cfg.http_listen!r} (HTTP): {e.strerror}") from None
             self._http.start()
-        if self.cfg.query_socket:
-            path = self.cfg.query_socket
+        if self.cfg.lane_socket:
+            path = self.cfg.lane_socket
             if path == "auto":
                 path = (
-                    listen.removeprefix("unix:").removeprefix("//") + ".query"
+                    listen.removeprefix("unix:").removeprefix("//") + ".lane"
                     if listen.startswith("unix:")
-                    else os.path.join(tempfile.gettempdir(), f"kvseal-{self.port}.query.sock")
+                    else os.path.join(tempfile.gettempdir(), f"kvseal-{self.port}.lane.sock")
                 )
-            self._lane = QueryLaneServer(path, self.engine, self.metrics)
+            self._lane = LaneServer(path, self.engine, self.metrics)
             self._lane.start()
-            self.service.query_socket = path
+            self.service.lane_socket = path
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._health.set("kvseal.v1.Engine", health_pb2.HealthCheckResponse.SERVING)
         threading.Thread(target=self._tick, name="kvseal-tick", daemon=True).start()

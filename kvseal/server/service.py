@@ -51,7 +51,7 @@ class EngineService(pb_grpc.EngineServicer):
     def __init__(self, engine: Engine, metrics: Metrics) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.query_socket = ""  # set by the server once the query lane listens
+        self.lane_socket = ""  # set by the server once the local lane listens
         self._sessions: set[threading.Event] = set()
         self._sessions_lock = threading.Lock()
 
@@ -64,7 +64,7 @@ class EngineService(pb_grpc.EngineServicer):
     @_rpc
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         return pb.InfoResponse(
-            version=__version__, pool_bytes=self.engine.store.arena_bytes, query_socket=self.query_socket
+            version=__version__, pool_bytes=self.engine.store.arena_bytes, lane_socket=self.lane_socket
         )
 
     @_rpc

@@ -6,7 +6,7 @@
 Extra config: `kvseal.engine` (gRPC target, default 127.0.0.1:50055), `kvseal.namespace` (default: the model's
 identity, kvseal.vllm.identity), `kvseal.mode` (read_write | save_only | load_only), `kvseal.token`.
 
-Scheduler side (one per vLLM instance): asks the engine, through the query lane, how many of a waiting request's
+Scheduler side (one per vLLM instance): asks the engine, through the local lane, how many of a waiting request's
 block hashes beyond vLLM's own hit are resident; the engine pins them under a lease. vLLM then allocates blocks
 and the load runs asynchronously on the workers (the request waits in WAITING_FOR_REMOTE_KVS). Every step it also
 plans the saves of blocks that became full. Never claims the last prompt token.

@@ -1,4 +1,4 @@
-"""Serves the query lane (kvseal.fastquery): Query and Release on a unix socket, one thread per connection."""
+"""Serves the local lane (kvseal.lane): Query, Release, Save and Load on a unix socket, one thread per connection."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 
-from kvseal import fastquery as fq
+from kvseal import lane
 from kvseal.engine.engine import Engine
 from kvseal.errors import KvsealError
 from kvseal.server.metrics import Metrics
@@ -16,7 +16,7 @@ from kvseal.server.metrics import Metrics
 log = logging.getLogger("kvseal.server")
 
 
-class QueryLaneServer:
+class LaneServer:
     def __init__(self, path: str, engine: Engine, metrics: Metrics) -> None:
         self.path = path
         self.engine = engine
@@ -35,7 +35,7 @@ class QueryLaneServer:
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        threading.Thread(target=self._accept, name="kvseal-querylane", daemon=True).start()
+        threading.Thread(target=self._accept, name="kvseal-lane", daemon=True).start()
 
     def stop(self) -> None:
         self._closing = True
@@ -54,15 +54,15 @@ class QueryLaneServer:
                 return
             with self._lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="kvseal-querylane-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn,), name="kvseal-lane-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
             while True:
                 try:
-                    frame = fq.read_frame(conn)
+                    frame = lane.read_frame(conn)
                 except KvsealError as e:  # an oversized frame: answer, then drop the connection
-                    conn.sendall(fq.encode_error(e.status, str(e)))
+                    conn.sendall(lane.encode_error(e.status, str(e)))
                     return
                 if frame is None:
                     return
@@ -76,20 +76,27 @@ class QueryLaneServer:
 
     def _handle(self, op: int, body: bytes) -> bytes:
         start = time.perf_counter()
-        method, code = "Query" if op == fq.OP_QUERY else "Release", "OK"
+        method, code = lane.OP_NAMES.get(op, "Unknown"), "OK"
         try:
-            request = fq.decode_request(op, body)
-            if isinstance(request, fq.ReleaseRequest):
-                self.engine.release(request.instance_id, request.lease_id)
-                return fq.encode_release_ok()
-            r = self.engine.query(request.instance_id, request.hashes, request.lease_ttl_ms)
-            return fq.encode_query_ok(r.hits, r.lease_id, r.lease_ttl_ms, r.namespace_final)
+            request = lane.decode_request(op, body)
+            engine = self.engine
+            if isinstance(request, lane.QueryRequest):
+                q = engine.query(request.instance_id, request.hashes, request.lease_ttl_ms)
+                return lane.encode_query_ok(q.hits, q.lease_id, q.lease_ttl_ms, q.namespace_final)
+            if isinstance(request, lane.ReleaseRequest):
+                engine.release(request.instance_id, request.lease_id)
+                return lane.encode_release_ok()
+            if isinstance(request, lane.SaveRequest):
+                s = engine.save(request.worker, request.hashes, request.block_ids)
+                return lane.encode_save_ok(s.written, s.skipped, s.not_stored, s.completed, s.namespace_final)
+            r = engine.load(request.worker, request.hashes, request.block_ids, request.lease_id)
+            return lane.encode_load_ok(r.outcome, r.loaded, r.reason, r.message)
         except KvsealError as e:
             code = e.status
-            return fq.encode_error(e.status, str(e))
+            return lane.encode_error(e.status, str(e))
         except Exception as e:  # a bug, not bad input: answer and keep serving
             code = "INTERNAL"
-            log.exception("query lane %s failed", method)
-            return fq.encode_error("INTERNAL", f"{method} failed inside the engine: {type(e).__name__}: {e}")
+            log.exception("lane %s failed", method)
+            return lane.encode_error("INTERNAL", f"{method} failed inside the engine: {type(e).__name__}: {e}")
         finally:
             self.metrics.observe_rpc(f"lane.{method}", code, time.perf_counter() - start)
