@@ -87,7 +87,7 @@ def test_two_workers_seal_a_page_only_when_every_cell_is_written(clock: FakeCloc
     check(store)
 
     again = store.begin_save(ns, TP2, hashes, mask(TP2, 0))  # worker 0's cells are already written
-    assert again.entries == () and again.skipped == 2
+    assert again.entries == [] and again.skipped == 2
 
     p1 = store.begin_save(ns, TP2, [h(1)], mask(TP2, 1))
     assert [(i, pid) for i, pid, _ in p1.entries] == [(0, p0.entries[0][1])]  # the same page
@@ -133,7 +133,7 @@ def test_resaving_a_sealed_hash_is_skipped(clock: FakeClock) -> None:
     # another instance with the same layout shares the final namespace: its save is a no-op
     assert store.namespace("m.x", TP1) == ns
     dedup = store.begin_save(ns, TP1, [h(1), h(2), h(3)], 1)
-    assert dedup.entries == () and dedup.skipped == 3
+    assert dedup.entries == [] and dedup.skipped == 3
     check(store)
 
 
@@ -362,7 +362,7 @@ def test_nothing_is_evicted_when_everything_is_pinned(full_pool: tuple[BlockStor
     lease = store.query(ns, TP1, [h(0), h(1), h(2), h(3)], "inst", 1)
     assert lease.hits == 4
     plan = store.begin_save(ns, TP1, [h(4), h(5)], 1)
-    assert plan.entries == () and plan.not_stored == 2
+    assert plan.entries == [] and plan.not_stored == 2
     assert store.statistics().evictions == 0
     assert set(resident(store, ns)) == {h(0), h(1), h(2), h(3)}
     store.release(lease.lease_id, "inst")
@@ -546,14 +546,14 @@ def test_fingerprint_collision_is_refused(clock: FakeClock, other: Layout, reaso
     assert store.query(ns, BASE, [h(1), h(2)], "a", 1).hits == 2
 
     plan = store.begin_load(ns, other, [h(1), h(2)], owner="b", worker_key=(0, 0))
-    assert plan.outcome == "refused" and plan.reason == reason and plan.entries == ()
+    assert plan.outcome == "refused" and plan.reason == reason and plan.entries == []
     for word in words:
         assert word in plan.message
     store.finish_load(plan)
     q = store.query(ns, other, [h(1), h(2)], "b", 2)
     assert q.hits == 0 and q.lease_id == 0
     refused_save = store.begin_save(ns, other, [h(3)], 1)
-    assert refused_save.entries == () and refused_save.not_stored == 1
+    assert refused_save.entries == [] and refused_save.not_stored == 1
     stats, layout = store.namespace_stats()[ns]
     assert layout == BASE
     assert stats.refused[reason] >= 1

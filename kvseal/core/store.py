@@ -78,13 +78,20 @@ class Lease:
 
 @dataclass(frozen=True, slots=True)
 class SavePlan:
-    """Pages one worker must now write: entries[i] = (index into the request's hashes, page id, byte offset)."""
+    """Pages one worker must now write, as columns: positions[k] indexes the request's hashes, pages[k] is the
+    page id written for it and offsets[k] that page's byte offset in the arena."""
 
     namespace_id: int
     cell_mask: int
-    entries: tuple[tuple[int, int, int], ...]
+    positions: list[int]
+    pages: list[int]
+    offsets: list[int]
     skipped: int
     not_stored: int
+
+    @property
+    def entries(self) -> list[tuple[int, int, int]]:
+        return list(zip(self.positions, self.pages, self.offsets, strict=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +99,17 @@ class LoadPlan:
     """Pages to copy out, in request order, pinned until finish_load. outcome: loaded | missing | refused."""
 
     namespace_id: int
-    entries: tuple[tuple[int, int], ...]  # (page id, byte offset)
+    pages: list[int]
+    offsets: list[int]
     outcome: str
     reason: str = ""
     message: str = ""
     lease_id: int = 0
     worker_key: tuple[int, int] = (0, 0)
+
+    @property
+    def entries(self) -> list[tuple[int, int]]:
+        return list(zip(self.pages, self.offsets, strict=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,47 +230,51 @@ class BlockStore:
     def begin_save(self, ns_id: int, layout: Layout, hashes: Sequence[bytes], cell_mask: int) -> SavePlan:
         """Reserves the pages a worker writes for `hashes`. The caller copies its slots into every entry and then
         calls finish_save. Sealed hashes and cells this worker already wrote are skipped; when the pool is full
-        of pinned or inflight pages the remaining hashes are not stored."""
+        of pinned or inflight pages the remaining new hashes are not stored."""
         self.expire()
         ns = self._namespaces[ns_id]
         if self._layouts[ns.layout_id].digest != layout.digest:  # a fingerprint collision: never mix layouts
             ns.refused["digest"] += 1
-            return SavePlan(ns_id, cell_mask, (), 0, len(hashes))
+            return SavePlan(ns_id, cell_mask, [], [], [], 0, len(hashes))
+        lookup = ns.index.get
+        found = list(map(lookup, hashes))
         c = self._size_class(layout.page_bytes)
-        deadline = self._clock() + self.inflight_timeout_s
-        index = ns.index
-        lookup = index.get
-        allocate = self._allocate
-        state, offset, slab_of, ns_of, hash_of = self._state, self._offset, self._slab_of, self._ns_of, self._hash
-        inflight, deadlines, writers = self._inflight, self._inflight_deadline, self._writers
-        slab_busy = self._slab_busy
-        entries: list[tuple[int, int, int]] = []
-        add = entries.append
-        skipped = not_stored = created = 0
-        exhausted = False
-        for i, block_hash in enumerate(hashes):
-            pid = lookup(block_hash)
+        while None in found:
+            new = list(dict.fromkeys(h for h, pid in zip(hashes, found, strict=True) if pid is None))
+            pids = self._allocate_many(c, len(new))
+            self._open_pages(ns_id, c, new[: len(pids)], pids)
+            # None is left for hashes the pool had no room for, and for sealed hashes of this request whose pages
+            # were just evicted to make that room (they are stored again, like any new hash)
+            found = list(map(lookup, hashes))
+            if len(pids) < len(new):
+                break
+        state, inflight, writers, offset = self._state, self._inflight, self._writers, self._offset
+        positions: list[int] = []
+        pages: list[int] = []
+        skipped = not_stored = 0
+        for i, pid in enumerate(found):
             if pid is None:
-                pid = NO_PAGE if exhausted else allocate(c)
-                if pid == NO_PAGE:
-                    exhausted = True
-                    not_stored += 1
-                    continue
-                state[pid] = INFLIGHT
-                ns_of[pid] = ns_id
-                hash_of[pid] = block_hash
-                index[block_hash] = pid
-                inflight[pid] = 0
-                deadlines[pid] = deadline
-                slab_busy[slab_of[pid]] += 1
-                created += 1
+                not_stored += 1
             elif state[pid] == SEALED or inflight[pid] & cell_mask == cell_mask:
                 skipped += 1
-                continue
-            writers[pid] += 1
-            add((i, pid, offset[pid]))
-        self._inflight_bytes += created * self._class_bytes[c]
-        return SavePlan(ns_id, cell_mask, tuple(entries), skipped, not_stored)
+            else:
+                writers[pid] += 1
+                positions.append(i)
+                pages.append(pid)
+        return SavePlan(ns_id, cell_mask, positions, pages, list(map(offset.__getitem__, pages)), skipped, not_stored)
+
+    def _open_pages(self, ns_id: int, c: int, hashes: list[bytes], pids: list[int]) -> None:
+        """Makes freshly allocated pages of class c inflight, pids[k] for hashes[k]."""
+        state, ns_of, hash_of, slab_of, slab_busy = self._state, self._ns_of, self._hash, self._slab_of, self._slab_busy
+        for pid, block_hash in zip(pids, hashes, strict=True):
+            state[pid] = INFLIGHT
+            ns_of[pid] = ns_id
+            hash_of[pid] = block_hash
+            slab_busy[slab_of[pid]] += 1
+        self._namespaces[ns_id].index.update(zip(hashes, pids, strict=True))
+        self._inflight.update(dict.fromkeys(pids, 0))
+        self._inflight_deadline.update(dict.fromkeys(pids, self._clock() + self.inflight_timeout_s))
+        self._inflight_bytes += len(pids) * self._class_bytes[c]
 
     def finish_save(self, plan: SavePlan, ok: bool) -> int:
         """Records the copies of a SavePlan. Returns how many pages became sealed.
@@ -271,7 +287,7 @@ class BlockStore:
         written = plan.cell_mask if ok else 0
         inflight, deadlines, writers = self._inflight, self._inflight_deadline, self._writers
         complete: list[int] = []
-        for _, pid, _ in plan.entries:
+        for pid in plan.pages:
             mask = inflight.get(pid)
             if mask is None:  # only if the plan was finished twice (a caller bug)
                 continue
@@ -389,7 +405,6 @@ class BlockStore:
         ns.last_used = self._wall_clock()
         stored = self._layouts[ns.layout_id]
         refusal = _compare_layouts(stored, layout)
-        entries: list[tuple[int, int]] = []
         pages: list[int] = []
         outcome, reason, message = "loaded", "", ""
         if refusal is not None and hashes:
@@ -397,23 +412,23 @@ class BlockStore:
             reason, message = refusal
             ns.refused[reason] += 1
         else:
-            lookup, state, offset = ns.index.get, self._state, self._offset
-            add, add_page = entries.append, pages.append
-            for block_hash in hashes:
-                pid = lookup(block_hash)
-                if pid is None or state[pid] != SEALED:
-                    outcome = "missing"
-                    message = f"block {len(entries)} of the request ({block_hash.hex()[:16]}…) is not resident"
-                    break
-                add_page(pid)
-                add((pid, offset[pid]))
+            found = list(map(ns.index.get, hashes))
+            resident = found.index(None) if None in found else len(found)
+            states = bytes(map(self._state.__getitem__, found[:resident]))
+            if states.count(SEALED) != resident:  # an inflight page ends the resident prefix too
+                resident = next(i for i, st in enumerate(states) if st != SEALED)
+            pages = found[:resident]
+            if resident < len(hashes):
+                outcome = "missing"
+                message = f"block {resident} of the request ({hashes[resident].hex()[:16]}…) is not resident"
             self._pin(pages)
         if lease_id and (lease := self._leases.get(lease_id)) is not None and lease.owner != owner:
             lease_id = 0
-        return LoadPlan(ns_id, tuple(entries), outcome, reason, message, lease_id, worker_key)
+        offsets = list(map(self._offset.__getitem__, pages))
+        return LoadPlan(ns_id, pages, offsets, outcome, reason, message, lease_id, worker_key)
 
     def finish_load(self, plan: LoadPlan) -> None:
-        self._unpin([pid for pid, _ in plan.entries])
+        self._unpin(plan.pages)
         lease = self._leases.get(plan.lease_id) if plan.lease_id else None
         if lease is not None:
             lease.consumed.add(plan.worker_key)
@@ -446,7 +461,7 @@ class BlockStore:
     # ---------------------------------------------------------------- pool
 
     def _size_class(self, page_bytes: int) -> int:
-        aligned = -(-page_bytes // PAGE_ALIGN) * PAGE_ALIGN
+        aligned = page_stride(page_bytes)
         c = self._class_of_size.get(aligned)
         if c is None:
             if aligned > self.slab_bytes:
@@ -456,7 +471,7 @@ class BlockStore:
             self._class_bytes.append(aligned)
             self._class_capacity.append(self.slab_bytes // aligned)
             self._class_partial.append({})
-            sentinel = self._new_page_id()
+            (sentinel,) = self._new_page_ids(1)
             self._state[sentinel] = SENTINEL
             self._prev[sentinel] = self._next[sentinel] = sentinel
             self._slab_of[sentinel] = c  # a sentinel's slab field holds its class
@@ -469,8 +484,8 @@ class BlockStore:
     def _page_bytes(self, pid: int) -> int:
         return self._class_bytes[self._slab_class[self._slab_of[pid]]]
 
-    def _new_page_id(self) -> int:
-        if not self._free_page_ids:
+    def _new_page_ids(self, n: int) -> list[int]:
+        while len(self._free_page_ids) < n:
             start = len(self._hash)
             for arr in (
                 self._offset,
@@ -485,44 +500,57 @@ class BlockStore:
                 arr.frombytes(bytes(PAGE_TABLE_CHUNK * arr.itemsize))
             self._hash.extend([None] * PAGE_TABLE_CHUNK)
             self._free_page_ids.extend(range(start + PAGE_TABLE_CHUNK - 1, start - 1, -1))
-        return self._free_page_ids.pop()
+        pids = self._free_page_ids[-n:]
+        del self._free_page_ids[-n:]
+        pids.reverse()  # popped from the end: the lowest ids first
+        return pids
 
-    def _allocate(self, c: int) -> int:
-        """A page of class c, counted as used in its slab (its state is the caller's to set), or NO_PAGE. In order
-        of preference: a free page of a slab the class holds, a free slab, the class's own least recently used
-        page (evicted and reused in place), a whole slab of another class (emptied)."""
-        partial = self._class_partial[c]
-        while True:
+    def _allocate_many(self, c: int, n: int) -> list[int]:
+        """Up to n pages of class c, counted as used in their slabs (their state is the caller's to set); fewer
+        only when the pool has no more room for the class. In order of preference: free pages of slabs the class
+        holds, free slabs, the class's own least recently used pages (evicted and reused in place), whole slabs of
+        other classes (emptied)."""
+        out: list[int] = []
+        partial, capacity = self._class_partial[c], self._class_capacity[c]
+        while len(out) < n:
             if partial:
                 slab = next(iter(partial))
                 free_ids = self._slab_free_ids[slab]
-                pid = free_ids.pop() if free_ids else self._carve(slab, c)
-                used = self._slab_used[slab] + 1
+                room = min(n - len(out), capacity - self._slab_used[slab])
+                if free_ids:
+                    took = free_ids[-room:]
+                    del free_ids[-len(took) :]
+                    took.reverse()  # the most recently freed first
+                else:
+                    took = self._carve(slab, c, room)
+                out += took
+                used = self._slab_used[slab] + len(took)
                 self._slab_used[slab] = used
-                if used == self._class_capacity[c]:
+                if used == capacity:
                     del partial[slab]
-                return pid
-            if self._free_slabs:
+            elif self._free_slabs:
                 slab = self._free_slabs.pop()
                 self._slab_class[slab] = c
                 partial[slab] = None
-                continue
-            sentinel = self._class_lru[c]
-            victim = self._prev[sentinel]
-            if victim != sentinel:
-                self._evict(victim, self._class_bytes[c])
-                return victim
-            if not self._empty_slab_for(c):
-                return NO_PAGE
+            elif victims := self._evict_lru(c, n - len(out)):
+                out += victims
+            elif not self._empty_slab_for(c):
+                break
+        return out
 
-    def _carve(self, slab: int, c: int) -> int:
-        """The next page id of a slab, at the next page offset."""
+    def _carve(self, slab: int, c: int, n: int) -> list[int]:
+        """The slab's next n page ids, at the next page offsets."""
         pages = self._slab_pages[slab]
-        pid = self._new_page_id()
-        self._offset[pid] = slab * self.slab_bytes + len(pages) * self._class_bytes[c]
-        self._slab_of[pid] = slab
-        pages.append(pid)
-        return pid
+        size = self._class_bytes[c]
+        at = slab * self.slab_bytes + len(pages) * size
+        pids = self._new_page_ids(n)
+        offset, slab_of = self._offset, self._slab_of
+        for pid in pids:
+            offset[pid] = at
+            slab_of[pid] = slab
+            at += size
+        pages.extend(pids)
+        return pids
 
     def _free(self, pid: int) -> None:
         self._state[pid] = FREE
@@ -577,20 +605,33 @@ class BlockStore:
         self._release_slab(slab)
         return True
 
-    def _evict(self, pid: int, size: int) -> None:
-        """Takes an unpinned sealed page of `size` class bytes out of the LRU ring, the index and the counts. It
-        stays in use in its slab: the caller reuses it and sets its state and hash."""
-        prev, nxt = self._prev, self._next
-        p, n = prev[pid], nxt[pid]
-        nxt[p] = n
-        prev[n] = p
-        ns = self._namespaces[self._ns_of[pid]]
-        del ns.index[self._hash[pid]]  # type: ignore[arg-type]
-        ns.resident_blocks -= 1
-        ns.resident_bytes -= self._layouts[ns.layout_id].page_bytes
-        self._resident_blocks -= 1
-        self._sealed_bytes -= size
-        self._evictions += 1
+    def _evict_lru(self, c: int, n: int) -> list[int]:
+        """Takes up to n of class c's least recently used pages (unpinned and sealed: the only pages in the ring)
+        out of the ring, the index and the counts, least recent first. They stay in use in their slabs: the
+        caller reuses them and sets their state and hash."""
+        prev, nxt, ns_of, hash_of = self._prev, self._next, self._ns_of, self._hash
+        sentinel = self._class_lru[c]
+        victims: list[int] = []
+        pid = prev[sentinel]
+        while pid != sentinel and len(victims) < n:
+            victims.append(pid)
+            pid = prev[pid]
+        if not victims:
+            return victims
+        nxt[pid] = sentinel  # pid is now the least recently used page (or the sentinel: the ring is empty)
+        prev[sentinel] = pid
+        for ns_id, count in Counter(map(ns_of.__getitem__, victims)).items():
+            ns = self._namespaces[ns_id]
+            ns.resident_blocks -= count
+            ns.resident_bytes -= count * self._layouts[ns.layout_id].page_bytes
+        namespaces = self._namespaces
+        for pid in victims:
+            del namespaces[ns_of[pid]].index[hash_of[pid]]  # type: ignore[arg-type]
+        n = len(victims)
+        self._resident_blocks -= n
+        self._sealed_bytes -= n * self._class_bytes[c]
+        self._evictions += n
+        return victims
 
     # LRU ring per class: sentinel.next is the most recently used page, sentinel.prev the least.
     def _link_mru(self, pids: Sequence[int], c: int) -> None:
@@ -662,7 +703,7 @@ class BlockStore:
 
     def lru_order(self, page_bytes: int) -> list[bytes]:
         """Hashes of the class holding `page_bytes` pages, least recently used first (for tests)."""
-        c = self._class_of_size.get(-(-page_bytes // PAGE_ALIGN) * PAGE_ALIGN)
+        c = self._class_of_size.get(page_stride(page_bytes))
         out: list[bytes] = []
         if c is None:
             return out
@@ -751,6 +792,11 @@ class BlockStore:
         for ns_id, ns in enumerate(self._namespaces):
             assert ns.resident_blocks == resident[ns_id]
             assert ns.resident_bytes == ns.resident_blocks * self._layouts[ns.layout_id].page_bytes
+
+
+def page_stride(page_bytes: int) -> int:
+    """The bytes a page of `page_bytes` takes in its slab: consecutive pages of a slab are this far apart."""
+    return -(-page_bytes // PAGE_ALIGN) * PAGE_ALIGN
 
 
 def _compare_layouts(stored: Layout, instance: Layout) -> tuple[str, str] | None:

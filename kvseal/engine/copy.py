@@ -8,8 +8,11 @@ group as views into one buffer, so usually one run covers every layer). A run is
     src[block_id]  -> (layers, segments, words) view into the worker's mapped memory
     dst[offset//64]-> (layers, segments, words) view into the arena, for a page at `offset`
 
-so moving one block of one run is one `np.copyto` of several hundred KiB, with no per-slot Python work. Views
-use 8-byte words when every offset and stride allows it (uint8 views copy 3-6x slower, ARCHITECTURE §5).
+so moving one block of one run is one `np.copyto` of several hundred KiB, with no per-slot Python work. Blocks
+are moved in *spans*: consecutive block ids whose pages are also consecutive in one slab (a batch saved together
+is carved or evicted in order, and vLLM hands out fresh block ids in order) are one strided copy, so a batch
+costs one `np.copyto` per span and run, not per block. Views use 8-byte words when every offset and stride allows
+it (uint8 views copy 3-6x slower, ARCHITECTURE §5).
 """
 
 from __future__ import annotations
@@ -72,37 +75,53 @@ def _extends(run: list[SlotSource], s: SlotSource) -> bool:
 
 class WorkerCopier:
     """Copies one worker's slots of many blocks at once. The caller guarantees that pages stay allocated (pinned
-    or inflight) and that block ids were range-checked."""
+    or inflight) and that block ids were range-checked. `page_stride` is the distance between consecutive pages
+    of one slab (kvseal.core.store.page_stride)."""
 
-    def __init__(self, sources: Sequence[SlotSource], arena: np.ndarray) -> None:
-        self._runs: list[tuple[Any, Any, bool]] = [_build_run(run, arena) for run in _runs(sources)]
+    def __init__(self, sources: Sequence[SlotSource], arena: np.ndarray, page_stride: int) -> None:
+        self._runs: list[tuple[Any, Any]] = [_build_run(run, arena) for run in _runs(sources)]
         self.num_runs = len(self._runs)
+        self._step = page_stride // PAGE_ALIGN
 
-    def save(self, entries: Sequence[tuple[int, int, int]], block_ids: Sequence[int]) -> None:
-        """entries: (index into block_ids, page id, page offset) as planned by BlockStore.begin_save."""
-        for src, dst, is_torch in self._runs:
-            if is_torch:
-                for i, _, offset in entries:
-                    dst[offset // PAGE_ALIGN].copy_(src[block_ids[i]])
-            else:
-                copyto = np.copyto
-                for i, _, offset in entries:
-                    copyto(dst[offset // PAGE_ALIGN], src[block_ids[i]])
+    def save(self, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
+        """Copies block_ids[k] into the page at offsets[k], for every k."""
+        for first, pos, n in _spans(block_ids, offsets, self._step):
+            end, stop = first + n, pos + n * self._step
+            for src, dst in self._runs:
+                _copy(dst[pos : stop : self._step], src[first:end])
 
-    def load(self, entries: Sequence[tuple[int, int]], block_ids: Sequence[int]) -> None:
-        """entries: (page id, page offset) as planned by BlockStore.begin_load, in block_ids order."""
-        for src, dst, is_torch in self._runs:
-            if is_torch:
-                # copies from pageable host memory are synchronous: the bytes are in place on return
-                for j, (_, offset) in enumerate(entries):
-                    src[block_ids[j]].copy_(dst[offset // PAGE_ALIGN])
-            else:
-                copyto = np.copyto
-                for j, (_, offset) in enumerate(entries):
-                    copyto(src[block_ids[j]], dst[offset // PAGE_ALIGN])
+    def load(self, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
+        """Copies the page at offsets[k] into block_ids[k], for every k. Copies from pageable host memory to a
+        CUDA tensor are synchronous: the bytes are in place on return."""
+        for first, pos, n in _spans(block_ids, offsets, self._step):
+            end, stop = first + n, pos + n * self._step
+            for src, dst in self._runs:
+                _copy(src[first:end], dst[pos : stop : self._step])
 
 
-def _build_run(run: list[SlotSource], arena: np.ndarray) -> tuple[Any, Any, bool]:
+def _copy(dst: Any, src: Any) -> None:
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src)
+    else:
+        dst.copy_(src)
+
+
+def _spans(block_ids: Sequence[int], offsets: Sequence[int], step: int) -> list[tuple[int, int, int]]:
+    """(first block id, first page position, length) of each maximal span where both the block ids and the
+    pages are consecutive; page positions count PAGE_ALIGN units."""
+    n = len(block_ids)
+    if n == 0:
+        return []
+    ids = np.asarray(block_ids, dtype=np.int64)
+    pos = np.asarray(offsets, dtype=np.int64) // PAGE_ALIGN
+    cuts = np.flatnonzero((np.diff(ids) != 1) | (np.diff(pos) != step)) + 1
+    starts = [0, *cuts.tolist()]
+    ends = [*starts[1:], n]
+    firsts, positions = ids[starts].tolist(), pos[starts].tolist()
+    return [(firsts[k], positions[k], ends[k] - starts[k]) for k in range(len(starts))]
+
+
+def _build_run(run: list[SlotSource], arena: np.ndarray) -> tuple[Any, Any]:
     first, n = run[0], len(run)
     src_delta = run[1].src_offset - first.src_offset if n > 1 else 0
     dst_delta = run[1].dst_offset - first.dst_offset if n > 1 else 0
@@ -127,7 +146,7 @@ def _build_run(run: list[SlotSource], arena: np.ndarray) -> tuple[Any, Any, bool
             (PAGE_ALIGN, dst_delta, first.segment_bytes, 1),
             first.dst_offset,
         )
-        return src, dst, True
+        return src, dst
     word = 8
     for v in (
         first.src_offset,
@@ -155,7 +174,7 @@ def _build_run(run: list[SlotSource], arena: np.ndarray) -> tuple[Any, Any, bool
         strides=(PAGE_ALIGN, dst_delta, first.segment_bytes, word),
         writeable=True,
     )
-    return src, dst, False
+    return src, dst
 
 
 def _words(buf: np.ndarray, word: int) -> np.ndarray:

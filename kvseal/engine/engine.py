@@ -21,7 +21,7 @@ from kvseal.core.layout import (
     WorkerRegistration,
     validate_registration,
 )
-from kvseal.core.store import BlockStore, StoreStatistics
+from kvseal.core.store import BlockStore, StoreStatistics, page_stride
 from kvseal.engine.copy import SlotSource, WorkerCopier
 from kvseal.engine.memory import Arena, CudaSpec, MappedFile, layer_extent, map_cuda_storage, map_layer_memory
 from kvseal.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -204,7 +204,7 @@ class Engine:
                         dst_offset=layout.slot_offsets[slot],
                     )
                 )
-            copiers[key] = WorkerCopier(sources, self.arena.bytes)
+            copiers[key] = WorkerCopier(sources, self.arena.bytes, page_stride(layout.page_bytes))
         return copiers
 
     def unregister(self, worker: WorkerKey) -> int:
@@ -252,17 +252,17 @@ class Engine:
         start = time.perf_counter()
         ok = False
         try:
-            w.copier.save(plan.entries, block_ids)
+            w.copier.save(list(map(block_ids.__getitem__, plan.positions)), plan.offsets)
             ok = True
         finally:
             elapsed = time.perf_counter() - start
             with self._lock:
                 completed = self.store.finish_save(plan, ok)
                 self.counters.saves += 1
-                self.counters.save_bytes += len(plan.entries) * w.slot_bytes
+                self.counters.save_bytes += len(plan.pages) * w.slot_bytes
                 self.counters.save_seconds += elapsed
         return SaveResult(
-            written=len(plan.entries),
+            written=len(plan.pages),
             skipped=plan.skipped,
             not_stored=plan.not_stored,
             completed=completed,
@@ -288,15 +288,15 @@ class Engine:
             )
         start = time.perf_counter()
         try:
-            w.copier.load(plan.entries, block_ids)
+            w.copier.load(block_ids[: len(plan.pages)], plan.offsets)
         finally:
             elapsed = time.perf_counter() - start
             with self._lock:
                 self.store.finish_load(plan)
                 self.counters.loads += 1
-                self.counters.load_bytes += len(plan.entries) * w.slot_bytes
+                self.counters.load_bytes += len(plan.pages) * w.slot_bytes
                 self.counters.load_seconds += elapsed
-        return LoadResult(plan.outcome, len(plan.entries), plan.reason, plan.message)
+        return LoadResult(plan.outcome, len(plan.pages), plan.reason, plan.message)
 
     def query(self, instance_id: str, hashes: Sequence[bytes], lease_ttl_ms: int = 0) -> QueryResult:
         hashes = _check_hashes(hashes)
