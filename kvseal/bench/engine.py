@@ -279,10 +279,12 @@ def _timed(fn: Any, *args: Any) -> float:
     return time.perf_counter() - t0
 
 
-def _rpc_sum(m: dict[str, float], method: str) -> float:
-    """Seconds spent in successful `method` handlers (kvseal_rpc_seconds_sum; label order is the exporter's)."""
-    want = (f'method="{method}"', 'code="OK"')
-    return sum(v for k, v in m.items() if k.startswith("kvseal_rpc_seconds_sum{") and all(w in k for w in want))
+def _rpc_sum(m: dict[str, float], method: str, what: str = "sum") -> float:
+    """Seconds spent in (what="count": the number of) successful `method` handlers, over gRPC or the local lane
+    (labelled lane.<method>), from kvseal_rpc_seconds (label order is the exporter's)."""
+    wants = [(f'method="{name}"', 'code="OK"') for name in (method, f"lane.{method}")]
+    prefix = f"kvseal_rpc_seconds_{what}{{"
+    return sum(v for k, v in m.items() if k.startswith(prefix) and any(all(w in k for w in want) for want in wants))
 
 
 @dataclass
@@ -395,7 +397,7 @@ def print_copy(fig: CopyFigures, reps: int, shape: str) -> None:
         print(
             f"    mean RPC {mean * 1e3:.2f} ms = copy {copy * 1e3:.2f} ({fig.gbps(copy):.2f} GB/s) + handler work "
             f"besides the copy {(handler - copy) * 1e3:.2f} ({(handler - copy) / fig.batch * 1e6:.2f} us/block) + "
-            f"outside the handler {(mean - handler) * 1e3:.2f} (gRPC, client)"
+            f"outside the handler {(mean - handler) * 1e3:.2f} (transport, client)"
         )
     for p in sorted(set(fig.problems)):
         print(f"  PROBLEM: {p}")
@@ -418,11 +420,6 @@ class Latency:
         if self.misses:
             out += f"  (!) {self.misses} queries were not all hits"
         return out
-
-
-def _rpc_count(m: dict[str, float], method: str) -> float:
-    want = (f'method="{method}"', 'code="OK"')
-    return sum(v for k, v in m.items() if k.startswith("kvseal_rpc_seconds_count{") and all(w in k for w in want))
 
 
 def query_latency(
@@ -452,10 +449,8 @@ def query_latency(
             out.misses += r.hits != QUERY_HASHES
     m1 = engine.metrics()
     if m0 and m1:
-        # the client takes the local lane when the engine offers one (its calls are counted as lane.Query)
-        method = "lane.Query" if _rpc_count(m1, "lane.Query") > _rpc_count(m0, "lane.Query") else "Query"
-        calls = _rpc_count(m1, method) - _rpc_count(m0, method)
-        out.handler_s = (_rpc_sum(m1, method) - _rpc_sum(m0, method)) / max(calls, 1)
+        calls = _rpc_sum(m1, "Query", "count") - _rpc_sum(m0, "Query", "count")
+        out.handler_s = (_rpc_sum(m1, "Query") - _rpc_sum(m0, "Query")) / max(calls, 1)
     return out
 
 

@@ -239,6 +239,12 @@ class BlockStore:
         lookup = ns.index.get
         found = list(map(lookup, hashes))
         c = self._size_class(layout.page_bytes)
+        n = len(hashes)
+        if found.count(None) == n and len(set(hashes)) == n:  # the common case: every hash new, none repeated
+            pids = self._allocate_many(c, n)
+            self._open_pages(ns_id, c, hashes[: len(pids)], pids, writers=1)
+            offsets = list(map(self._offset.__getitem__, pids))
+            return SavePlan(ns_id, cell_mask, list(range(len(pids))), pids, offsets, 0, n - len(pids))
         while None in found:
             new = list(dict.fromkeys(h for h, pid in zip(hashes, found, strict=True) if pid is None))
             pids = self._allocate_many(c, len(new))
@@ -263,14 +269,18 @@ class BlockStore:
                 pages.append(pid)
         return SavePlan(ns_id, cell_mask, positions, pages, list(map(offset.__getitem__, pages)), skipped, not_stored)
 
-    def _open_pages(self, ns_id: int, c: int, hashes: list[bytes], pids: list[int]) -> None:
-        """Makes freshly allocated pages of class c inflight, pids[k] for hashes[k]."""
-        state, ns_of, hash_of, slab_of, slab_busy = self._state, self._ns_of, self._hash, self._slab_of, self._slab_busy
+    def _open_pages(self, ns_id: int, c: int, hashes: Sequence[bytes], pids: list[int], writers: int = 0) -> None:
+        """Makes freshly allocated pages of class c inflight, pids[k] for hashes[k], each with `writers` open
+        plans."""
+        state, ns_of, hash_of, writer_count = self._state, self._ns_of, self._hash, self._writers
         for pid, block_hash in zip(pids, hashes, strict=True):
             state[pid] = INFLIGHT
             ns_of[pid] = ns_id
             hash_of[pid] = block_hash
-            slab_busy[slab_of[pid]] += 1
+            writer_count[pid] = writers
+        slab_busy = self._slab_busy
+        for slab, count in Counter(map(self._slab_of.__getitem__, pids)).items():
+            slab_busy[slab] += count
         self._namespaces[ns_id].index.update(zip(hashes, pids, strict=True))
         self._inflight.update(dict.fromkeys(pids, 0))
         self._inflight_deadline.update(dict.fromkeys(pids, self._clock() + self.inflight_timeout_s))
