@@ -28,6 +28,8 @@ Frames (little endian), one request then one response at a time per connection:
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -150,9 +152,12 @@ def _block_ids(block_ids: Sequence[int], n: int) -> bytes:
     if len(block_ids) != n:
         raise Unframeable("block_ids and block_hashes differ in length")  # the engine's error comes from gRPC
     try:
-        return np.asarray(block_ids, dtype=_BLOCK_ID).tobytes()
-    except (OverflowError, TypeError, ValueError):
+        ids = array("I", block_ids)  # C unsigned int: 32 bits on every platform kvseal runs on
+    except (OverflowError, TypeError):
         raise Unframeable("a block id does not fit 32 bits") from None
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return ids.tobytes()
 
 
 # ---------------------------------------------------------------------------------------------- decoding

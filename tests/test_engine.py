@@ -1,6 +1,5 @@
-"""The engine in-process (no server): saves large enough to go in chunks, whose store bookkeeping runs on the
-bookkeeping thread while the handler copies, give the same result as one plan: byte-exact pages, exact counts,
-balanced accounting, and a copy that fails midway keeps the chunks already copied and nothing else."""
+"""The engine in-process (no server): a save with new, sealed and repeated hashes at scattered and consecutive
+block ids loads back byte-exact with exact counts and balanced accounting; a copy that fails stores nothing."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import numpy as np
 import pytest
 
 from kvseal.core.layout import LayerGeometry, LayerRegistration, WorkerRegistration
-from kvseal.engine import engine as engine_module
 from kvseal.engine.engine import Engine
 from kvseal.engine.memory import ShmSpec
 
@@ -20,8 +18,7 @@ WORKER = ("w", 0, 0)
 
 
 @pytest.fixture
-def engine(monkeypatch: pytest.MonkeyPatch, shm_files: Callable[[int], str]) -> Iterator[tuple[Engine, np.ndarray]]:
-    monkeypatch.setattr(engine_module, "SAVE_CHUNK_BYTES", 1)  # chunks of SAVE_CHUNK_MIN_BLOCKS (16) blocks
+def engine(shm_files: Callable[[int], str]) -> Iterator[tuple[Engine, np.ndarray]]:
     path = shm_files(BLOCKS * SLOT)
     engine = Engine(8 << 20, slab_bytes=1 << 20)
     layer = LayerRegistration(
@@ -40,50 +37,44 @@ def hashes(start: int, n: int) -> list[bytes]:
     return [i.to_bytes(32, "big") for i in range(start, start + n)]
 
 
-def test_a_chunked_save_loads_back_byte_exact(engine: tuple[Engine, np.ndarray]) -> None:
+def test_a_save_loads_back_byte_exact(engine: tuple[Engine, np.ndarray]) -> None:
     eng, memory = engine
-    first = eng.save(WORKER, hashes(0, 10), list(range(10)))  # one chunk, saved before
+    first = eng.save(WORKER, hashes(0, 10), list(range(10)))
     assert (first.written, first.completed) == (10, 10)
 
-    # 40 blocks = 3 chunks; 5 of them already sealed, one hash twice (in the first and the last chunk: written
-    # twice, or skipped the second time when the first chunk was sealed before the last one began)
+    # 5 hashes already sealed, one hash twice, block ids in consecutive runs and scattered
     batch = hashes(5, 39) + hashes(20, 1)
-    ids = list(range(5, 44)) + [20]
+    ids = list(range(5, 30)) + [43, 31, 30, 42, 41, 40, 39, 32, 33, 34, 35, 36, 37, 38] + [20]
     r = eng.save(WORKER, batch, ids)
-    assert r.written + r.skipped == 40 and r.skipped in (5, 6)
-    assert (r.not_stored, r.completed) == (0, 34)
+    assert (r.written, r.skipped, r.not_stored, r.completed) == (35, 5, 0, 34)
     eng.store.check_invariants()
 
     source = memory[:44].copy()
     memory[:44] = 0
     q = eng.query("w", hashes(0, 44))
     assert q.hits == 44
-    loaded = eng.load(WORKER, hashes(0, 44), list(range(44)), q.lease_id)
+    order = list(range(44))
+    order[10:20] = order[19:9:-1]  # load into a scattered order too
+    loaded = eng.load(WORKER, [hashes(0, 44)[i] for i in order], order, q.lease_id)
     assert (loaded.outcome, loaded.loaded) == ("loaded", 44)
-    assert np.array_equal(memory[:44], source)
+    expected = source.copy()
+    expected[5:44] = source[ids[:39]]  # hash 5 + k was saved from block ids[k], and is loaded into block 5 + k
+    assert np.array_equal(memory[:44], expected)
     eng.store.check_invariants()
 
 
-def test_a_copy_failing_midway_keeps_the_chunks_already_copied(
-    engine: tuple[Engine, np.ndarray], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_failed_copy_stores_nothing(engine: tuple[Engine, np.ndarray], monkeypatch: pytest.MonkeyPatch) -> None:
     eng, _ = engine
     (worker,) = eng._instances["w"].workers.values()
     assert worker.copier is not None
-    copy = worker.copier.save
-    calls = []
 
     def failing(block_ids: list[int], offsets: list[int]) -> None:
-        calls.append(len(block_ids))
-        if len(calls) == 2:
-            raise OSError("the worker's memory went away")
-        copy(block_ids, offsets)
+        raise OSError("the worker's memory went away")
 
     monkeypatch.setattr(worker.copier, "save", failing)
     with pytest.raises(OSError):
         eng.save(WORKER, hashes(0, 48), list(range(48)))
-    assert calls == [16, 16]
-    assert eng.query("w", hashes(0, 48)).hits == 16  # the first chunk; the second and third are gone
+    assert eng.query("w", hashes(0, 48)).hits == 0
     s = eng.store.statistics()
-    assert (s.resident_blocks, s.inflight_blocks) == (16, 0)
+    assert (s.resident_blocks, s.inflight_blocks, s.free_bytes) == (0, 0, s.arena_bytes)
     eng.store.check_invariants()

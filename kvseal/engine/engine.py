@@ -12,7 +12,6 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +21,7 @@ from kvseal.core.layout import (
     WorkerRegistration,
     validate_registration,
 )
-from kvseal.core.store import BlockStore, SavePlan, StoreStatistics, page_stride
+from kvseal.core.store import BlockStore, StoreStatistics, page_stride
 from kvseal.engine.copy import SlotSource, WorkerCopier
 from kvseal.engine.memory import Arena, CudaSpec, MappedFile, layer_extent, map_cuda_storage, map_layer_memory
 from kvseal.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -30,8 +29,6 @@ from kvseal.errors import FailedPrecondition, InvalidArgument, NotFound, Resourc
 MAX_HASH_BYTES = 64
 MAX_BLOCKS_PER_REQUEST = 1 << 17
 MAX_LEASE_TTL_MS = 3_600_000
-SAVE_CHUNK_BYTES = 8 << 20  # a save of more pages than this is copied in chunks (see Engine.save)
-SAVE_CHUNK_MIN_BLOCKS = 16
 
 WorkerKey = tuple[str, int, int]  # (instance_id, tp_rank, pp_rank)
 
@@ -139,7 +136,6 @@ class Engine:
         self.counters = EngineCounters()
         self._lock = threading.Lock()
         self._instances: dict[str, _Instance] = {}
-        self._bookkeeping: ThreadPoolExecutor | None = None  # started by the first save that comes in chunks
 
     # ---------------------------------------------------------------- registration
 
@@ -246,70 +242,32 @@ class Engine:
     # ---------------------------------------------------------------- data path
 
     def save(self, worker: WorkerKey, hashes: Sequence[bytes], block_ids: Sequence[int]) -> SaveResult:
-        """Copies the worker's slots of `hashes` (at `block_ids`) into pool pages.
-
-        A large save goes in chunks of about SAVE_CHUNK_BYTES: this thread copies chunk k while the bookkeeping
-        thread finishes chunk k-1 and begins chunk k+1 in the store (numpy releases the GIL while it copies), so
-        the store's per-block work hides behind the copy instead of adding to it."""
         hashes, block_ids = _check_blocks(hashes, block_ids)
         with self._lock:
             inst, w = self._find_sealed_worker(worker)
             _check_block_range(block_ids, w.num_blocks)
             sealed = inst.sealed
             assert sealed is not None and w.copier is not None
-            ns_id, copier = inst.ns_id, w.copier
-        chunk = max(SAVE_CHUNK_MIN_BLOCKS, SAVE_CHUNK_BYTES // sealed.layout.page_bytes)
-        bounds = [(a, min(a + chunk, len(hashes))) for a in range(0, len(hashes), chunk)] or [(0, 0)]
-
-        def begin(a: int, b: int) -> SavePlan:
+            plan = self.store.begin_save(inst.ns_id, sealed.layout, hashes, w.cell_mask)
+        start = time.perf_counter()
+        ok = False
+        try:
+            w.copier.save(list(map(block_ids.__getitem__, plan.positions)), plan.offsets)
+            ok = True
+        finally:
+            elapsed = time.perf_counter() - start
             with self._lock:
-                return self.store.begin_save(ns_id, sealed.layout, hashes[a:b], w.cell_mask)
-
-        def finish(plan: SavePlan, ok: bool) -> int:
-            with self._lock:
-                return self.store.finish_save(plan, ok)
-
-        plans: list[SavePlan] = []
-        finished: list[Future[int] | int] = []
-        elapsed = 0.0
-        plan = begin(*bounds[0])
-        for k, (a, b) in enumerate(bounds):
-            last = k + 1 == len(bounds)
-            upcoming = None if last else self._bookkeeper().submit(begin, *bounds[k + 1])
-            start = time.perf_counter()
-            try:
-                copier.save(list(map(block_ids[a:b].__getitem__, plan.positions)), plan.offsets)
-            except BaseException:  # earlier chunks were copied and stay saved; this one and the next are dropped
-                finish(plan, False)
-                if upcoming is not None:
-                    finish(upcoming.result(), False)
-                raise
-            finally:
-                elapsed += time.perf_counter() - start
-            plans.append(plan)
-            finished.append(finish(plan, True) if last else self._bookkeeper().submit(finish, plan, True))
-            if upcoming is not None:
-                plan = upcoming.result()
-        completed = sum(f.result() if isinstance(f, Future) else f for f in finished)
-        written = sum(len(p.pages) for p in plans)
-        with self._lock:
-            self.counters.saves += 1
-            self.counters.save_bytes += written * w.slot_bytes
-            self.counters.save_seconds += elapsed
+                completed = self.store.finish_save(plan, ok)
+                self.counters.saves += 1
+                self.counters.save_bytes += len(plan.pages) * w.slot_bytes
+                self.counters.save_seconds += elapsed
         return SaveResult(
-            written=written,
-            skipped=sum(p.skipped for p in plans),
-            not_stored=sum(p.not_stored for p in plans),
+            written=len(plan.pages),
+            skipped=plan.skipped,
+            not_stored=plan.not_stored,
             completed=completed,
             namespace_final=sealed.namespace_final,
         )
-
-    def _bookkeeper(self) -> ThreadPoolExecutor:
-        if self._bookkeeping is None:
-            with self._lock:
-                if self._bookkeeping is None:
-                    self._bookkeeping = ThreadPoolExecutor(1, thread_name_prefix="kvseal-bookkeeping")
-        return self._bookkeeping
 
     def load(
         self, worker: WorkerKey, hashes: Sequence[bytes], block_ids: Sequence[int], lease_id: int = 0
