@@ -1,17 +1,18 @@
-"""Engine benchmark: a real `kvseal serve` subprocess driven through the gRPC client, the way a vLLM worker and
-scheduler drive it. Every speed is printed next to a ceiling measured in the same run; nothing is asserted.
+"""Engine benchmark: a real `kvseal serve` subprocess driven through EngineClient (gRPC for Register and Session,
+the local lane for Query, Release, Save and Load), the way a vLLM worker and scheduler drive it. Every speed is printed next to a ceiling measured in the same run; nothing is asserted.
 
     memcpy     np.copyto of one batch's bytes between two pre-faulted buffers (from DRAM, not cache), 1 thread,
                re-measured before every repetition, best kept
     case 1     256 blocks of 128 KiB pages (4 layers x 32 KiB slots): one Save RPC, then one Load RPC of the same
-               hashes into other block ids, through gRPC + store bookkeeping + copy; best and median GB/s,
+               hashes into other block ids, through the lane + store bookkeeping + copy; best and median GB/s,
                and where the time goes (copy / rest of the handler / outside it, from the engine's /metrics)
     case 2     Llama-8B-like pages: 32 layers x 8 KV heads x 128 head dim, bf16, block_size 16, K and V in one
                slot ([num_blocks, kv_heads, block_size, 2*head_dim] per layer, all layers views of one
                allocation): 2 MiB per page, batches of 64 and 256 blocks per RPC
-    query      p50/p99 of Query RPCs of 64 resident hashes (each lease released afterwards, untimed) at 1k and
-               1M resident blocks over TCP loopback, and at 1k over a unix socket; a grpc.health Check on the same
-               target gives the floor of any RPC
+    query      p50/p99 of Query calls of 64 resident hashes (each lease released afterwards, untimed) at 1k and
+               1M resident blocks, with the engine's gRPC on TCP loopback, and at 1k with it on a unix socket (the
+               queries take the local lane either way); a grpc.health Check on the gRPC target gives the floor of
+               any gRPC call
     metadata   engine VmRSS growth per resident block while 1M tiny (64-byte) pages fill a pre-faulted pool
 
 The worker side (this process) and the engine run single-threaded (torch.set_num_threads(1), OMP_NUM_THREADS=1).
@@ -21,7 +22,7 @@ The last line is machine-readable:
            query_1m_vs_1k=... bytes_per_block=...
 
 save/load/memcpy in the RESULT line are the best repetitions of case 2's first batch size (64 blocks per RPC);
-ratios divide by the memcpy ceiling of the same bytes; query_p50_us is over TCP at 1k resident blocks.
+ratios divide by the memcpy ceiling of the same bytes; query_p50_us is the TCP engine's at 1k resident blocks.
 """
 
 from __future__ import annotations
@@ -614,7 +615,7 @@ def _run(plan: Plan, tmp: Path, torch: Any, rng: np.random.Generator) -> dict[st
         fill(client, wt, hashes, plan.resident_small, plan.fill_batch, resident)
         small, large = _count(plan.resident_small), _count(plan.resident_large)
         print(
-            f"prefix query: EngineClient.query of {QUERY_HASHES} resident hashes (random windows; over the query "
+            f"prefix query: EngineClient.query of {QUERY_HASHES} resident hashes (random windows; over the local "
             "lane, which the engine offers), each lease released afterwards, untimed"
         )
         print(f"  TCP, grpc.health Check (floor)   {rpc_floor(engine.target, plan.queries).line()}")
