@@ -1,5 +1,6 @@
 """Engine benchmark: a real `kvseal serve` subprocess driven through EngineClient (gRPC for Register and Session,
-the local lane for Query, Release, Save and Load), the way a vLLM worker and scheduler drive it. Every speed is printed next to a ceiling measured in the same run; nothing is asserted.
+the local lane for Query, Release, Save and Load), the way a vLLM worker and scheduler drive it. Every speed is
+printed next to a ceiling measured in the same run; nothing is asserted.
 
     memcpy     np.copyto of one batch's bytes between two pre-faulted buffers (from DRAM, not cache), 1 thread,
                re-measured before every repetition, best kept
