@@ -121,6 +121,32 @@ def test_query_counts_leading_sealed_hashes_only(clock: FakeClock) -> None:
     check(store)
 
 
+def test_prefix_lookup_by_page_run_agrees_with_the_index(clock: FakeClock) -> None:
+    """Query and load first try the run of pages after the first hash's page; whatever the pages hold, the
+    answer must be the index's."""
+    store = make_store(1 << 16, 1 << 14, clock)
+    a = store.namespace("m.a", TP1)
+    b = store.namespace("m.b", TP1)
+    save(store, a, TP1, [h(i) for i in range(6)])  # consecutive pages
+    assert store.query(a, TP1, [h(i) for i in range(6)], "inst", 1).hits == 6
+    assert store.query(a, TP1, [h(i) for i in range(2, 5)], "inst", 1).hits == 3
+    assert store.query(a, TP1, [h(0), h(1), h(9), h(3)], "inst", 1).hits == 2
+    assert store.query(a, TP1, [h(0), h(2), h(1)], "inst", 1).hits == 3  # out of page order: by the index
+
+    # hashes of another namespace on the pages right after: the run must not be taken for namespace a
+    save(store, b, TP1, [h(6), h(7)])
+    assert store.query(a, TP1, [h(5), h(6), h(7)], "inst", 1).hits == 1
+    assert store.query(b, TP1, [h(6), h(7)], "inst", 1).hits == 2
+
+    # a page of the run that is only inflight ends the prefix, wherever the lookup found it
+    store.begin_save(a, TP1, [h(8)], mask(TP1, 0))
+    assert store.query(a, TP1, [h(5), h(8)], "inst", 1).hits == 1
+    plan = store.begin_load(a, TP1, [h(4), h(5), h(8)])
+    assert plan.outcome == "missing" and len(plan.pages) == 2
+    store.finish_load(plan)
+    check(store)
+
+
 def test_resaving_a_sealed_hash_is_skipped(clock: FakeClock) -> None:
     store = make_store(1 << 16, 1 << 14, clock)
     ns = store.namespace("m.x", TP1)

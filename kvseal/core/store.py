@@ -352,12 +352,7 @@ class BlockStore:
         if self._layouts[ns.layout_id].digest != layout.digest:
             ns.refused["digest"] += 1
         else:
-            lookup, state, add = ns.index.get, self._state, pages.append
-            for block_hash in hashes:
-                pid = lookup(block_hash)
-                if pid is None or state[pid] != SEALED:
-                    break
-                add(pid)
+            pages = self._resident_prefix(ns_id, hashes)
         ns.hits += len(pages)
         ns.misses += len(hashes) - len(pages)
         if not pages:
@@ -370,6 +365,31 @@ class BlockStore:
         heapq.heappush(self._lease_heap, (deadline, lease_id))
         self._owner_leases.setdefault(owner, set()).add(lease_id)
         return QueryResult(len(pages), lease_id)
+
+    def _resident_prefix(self, ns_id: int, hashes: Sequence[bytes]) -> list[int]:
+        """Page ids of the leading hashes that are sealed in the namespace.
+
+        A prompt's blocks are mostly saved in one batch, so their pages mostly have consecutive ids: the run of
+        pages after the first hash's is compared first (adjacent entries of the page table), and the index, whose
+        lookups each touch cold memory once a pool holds millions of blocks, answers only when that run does not
+        match."""
+        if not hashes:
+            return []
+        index = self._namespaces[ns_id].index
+        first = index.get(hashes[0])
+        if first is None:
+            return []
+        n = len(hashes)
+        if self._hash[first : first + n] == list(hashes) and self._ns_of[first : first + n].count(ns_id) == n:
+            found = list(range(first, first + n))
+        else:
+            found = list(map(index.get, hashes))
+            if None in found:
+                del found[found.index(None) :]
+        states = bytes(map(self._state.__getitem__, found))
+        if states.count(SEALED) != len(found):  # an inflight page ends the resident prefix too
+            del found[next(i for i, st in enumerate(states) if st != SEALED) :]
+        return found
 
     def release(self, lease_id: int, owner: str) -> None:
         lease = self._leases.get(lease_id)
@@ -422,12 +442,8 @@ class BlockStore:
             reason, message = refusal
             ns.refused[reason] += 1
         else:
-            found = list(map(ns.index.get, hashes))
-            resident = found.index(None) if None in found else len(found)
-            states = bytes(map(self._state.__getitem__, found[:resident]))
-            if states.count(SEALED) != resident:  # an inflight page ends the resident prefix too
-                resident = next(i for i, st in enumerate(states) if st != SEALED)
-            pages = found[:resident]
+            pages = self._resident_prefix(ns_id, hashes)
+            resident = len(pages)
             if resident < len(hashes):
                 outcome = "missing"
                 message = f"block {resident} of the request ({hashes[resident].hex()[:16]}…) is not resident"
