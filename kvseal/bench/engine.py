@@ -10,10 +10,11 @@ printed next to a ceiling measured in the same run; nothing is asserted.
     case 2     Llama-8B-like pages: 32 layers x 8 KV heads x 128 head dim, bf16, block_size 16, K and V in one
                slot ([num_blocks, kv_heads, block_size, 2*head_dim] per layer, all layers views of one
                allocation): 2 MiB per page, batches of 64 and 256 blocks per RPC
-    query      p50/p99 of Query calls of 64 resident hashes (each lease released afterwards, untimed) at 1k and
-               1M resident blocks, with the engine's gRPC on TCP loopback, and at 1k with it on a unix socket (the
-               queries take the local lane either way); a grpc.health Check on the gRPC target gives the floor of
-               any gRPC call
+    query      p50/p99 of Query calls of 64 resident hashes saved together (each lease released afterwards,
+               untimed) at 1k and 1M resident blocks, with the engine's gRPC on TCP loopback, and at 1k with it on
+               a unix socket (the queries take the local lane either way); at 1M also 64 hashes saved apart (every
+               lookup goes through the index); a grpc.health Check on the gRPC target gives the floor of any gRPC
+               call
     metadata   engine VmRSS growth per resident block while 1M tiny (64-byte) pages fill a pre-faulted pool
 
 The worker side (this process) and the engine run single-threaded (torch.set_num_threads(1), OMP_NUM_THREADS=1).
@@ -431,8 +432,11 @@ def query_latency(
     resident: Sequence[bytes],
     n: int,
     rng: np.random.Generator,
+    scattered: bool = False,
 ) -> Latency:
-    """Query RPCs of 64 resident hashes from random places in the index; each lease is released (untimed)."""
+    """Query RPCs of 64 resident hashes; each lease is released (untimed). The hashes are a window of `resident`
+    at a random place (saved together, as a prompt's blocks are), or with `scattered` 64 drawn from anywhere
+    (saved apart: no two on neighbouring pages)."""
     warmup = max(50, n // 20)
     starts = rng.integers(0, len(resident) - QUERY_HASHES, size=n + warmup).tolist()
     out = Latency([])
@@ -440,7 +444,10 @@ def query_latency(
     for i, s in enumerate(starts):
         if i == warmup:
             m0 = engine.metrics()
-        window = resident[s : s + QUERY_HASHES]
+        if scattered:
+            window = [resident[j] for j in rng.integers(0, len(resident), size=QUERY_HASHES).tolist()]
+        else:
+            window = resident[s : s + QUERY_HASHES]
         t0 = time.perf_counter()
         r = client.query(instance_id, window)
         dt = time.perf_counter() - t0
@@ -629,6 +636,9 @@ def _run(plan: Plan, tmp: Path, torch: Any, rng: np.random.Generator) -> dict[st
         print(f"  TCP, Query at {large:>4} resident    {q_large.line()}")
         ratio = q_large.pct(50) / q_small.pct(50)
         print(f"  p50 at {large} / p50 at {small} = {ratio:.3f}")
+        q_apart = query_latency(engine, client, "tiny", resident, plan.queries, rng, scattered=True)
+        print(f"  TCP, Query at {large:>4} resident, 64 hashes saved apart  {q_apart.line()}")
+        print(f"  (p50 of hashes saved apart at {large} / p50 at {small} = {q_apart.pct(50) / q_small.pct(50):.3f})")
         grown = plan.resident_large - plan.resident_small
         resident_now = engine.metrics().get("kvseal_resident_blocks", float("nan"))
         print(
