@@ -1,9 +1,11 @@
 """The copier (kvseal.engine.copy) against a reference that moves one slot at a time: any block ids and pages,
-consecutive or not, land byte-exact, and nothing else in the arena or the worker's memory changes."""
+consecutive or not, land byte-exact, and nothing else in the arena or the worker's memory changes. Worker memory
+as a numpy array (shared memory) and as a torch tensor (the path CUDA memory takes, run here on CPU)."""
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -17,12 +19,14 @@ STRIDE = page_stride(PAGE)
 PAGES = 16
 
 
-def worker_memory() -> tuple[np.ndarray, list[SlotSource]]:
-    """All layers as views of one allocation, [layer][K/V][block][SEGMENT] (a split-K/V layout)."""
+def worker_memory(as_torch: bool) -> tuple[np.ndarray, list[SlotSource]]:
+    """All layers as views of one allocation, [layer][K/V][block][SEGMENT] (a split-K/V layout). The numpy array
+    returned shares its bytes with the memory the copier is given."""
     memory = np.random.default_rng(1).integers(0, 256, LAYERS * 2 * NUM_BLOCKS * SEGMENT, dtype=np.uint8)
+    given = torch.from_numpy(memory) if as_torch else memory
     sources = [
         SlotSource(
-            memory=memory,
+            memory=given,
             src_offset=layer * 2 * NUM_BLOCKS * SEGMENT,
             block_stride=SEGMENT,
             segment_stride=NUM_BLOCKS * SEGMENT,
@@ -54,10 +58,10 @@ batches = st.integers(0, 8).flatmap(
 )
 
 
-@given(batches)
-def test_save_then_load_moves_exactly_the_planned_slots(batch: tuple[list[int], list[int]]) -> None:
+@given(batches, st.booleans())
+def test_save_then_load_moves_exactly_the_planned_slots(batch: tuple[list[int], list[int]], as_torch: bool) -> None:
     block_ids, pages = batch
-    memory, sources = worker_memory()
+    memory, sources = worker_memory(as_torch)
     arena = np.zeros(PAGES * STRIDE + PAGE_ALIGN, dtype=np.uint8)
     copier = WorkerCopier(sources, arena, STRIDE)
     offsets = [p * STRIDE for p in pages]
