@@ -31,8 +31,10 @@ under 256 bytes of engine memory, index entry included; the arrays grow PAGE_TAB
 inflight page's open writers are counted in `_writers`; the cells it has written (a mask may be wider than 64
 bits) and its reclaim deadline live in dicts that hold inflight pages only.
 
-The hot calls walk their blocks once with the arrays bound to locals and update the running totals once per
-call, so a block costs a few array stores rather than a method call per step.
+The hot calls work per batch, not per block where they can: a save allocates, evicts and opens all its new
+pages at once (dict.update, list slices, one walk of the LRU tail), lookups go through map() over the index, and
+a query's or load's hashes are first checked against the run of pages after the first hash's page (a prompt's
+blocks are mostly saved together, so mostly on consecutive page ids) before the index is asked for each.
 """
 
 from __future__ import annotations
@@ -49,7 +51,6 @@ from kvseal.errors import NotFound
 
 FREE, INFLIGHT, SEALED, SENTINEL = 0, 1, 2, 3
 PAGE_ALIGN = 64
-NO_PAGE = -1
 PAGE_TABLE_CHUNK = 4096  # page ids the page table grows by when none is free
 
 
