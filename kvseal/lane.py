@@ -56,7 +56,7 @@ STATUS_NAMES = {v: k for k, v in STATUS_CODES.items()}
 
 _HEADER = struct.Struct("<IB")
 _COUNT = struct.Struct("<IB")  # n, hash_len
-_RANKS = struct.Struct("<II")
+_RANKS = struct.Struct("<II")  # tp_rank, pp_rank
 _QUERY_OK = struct.Struct("<IQIH")
 _SAVE_OK = struct.Struct("<IIIIH")
 _LOAD_OK = struct.Struct("<BIH")
@@ -101,22 +101,22 @@ Request = QueryRequest | ReleaseRequest | SaveRequest | LoadRequest
 
 
 def encode_query(instance_id: str, hashes: Sequence[bytes], lease_ttl_ms: int = 0) -> bytes:
-    return _frame(OP_QUERY, _ident(instance_id) + struct.pack("<I", lease_ttl_ms) + _hashes(hashes))
+    return _frame(OP_QUERY, _ident(instance_id) + _pack("<I", lease_ttl_ms) + _hashes(hashes))
 
 
 def encode_release(instance_id: str, lease_id: int) -> bytes:
-    return _frame(OP_RELEASE, _ident(instance_id) + struct.pack("<Q", lease_id))
+    return _frame(OP_RELEASE, _ident(instance_id) + _pack("<Q", lease_id))
 
 
 def encode_save(worker: tuple[str, int, int], hashes: Sequence[bytes], block_ids: Sequence[int]) -> bytes:
-    head = _ident(worker[0]) + _ranks(worker)
+    head = _ident(worker[0]) + _pack("<II", worker[1], worker[2])
     return _frame(OP_SAVE, head + _hashes(hashes) + _block_ids(block_ids, len(hashes)))
 
 
 def encode_load(
     worker: tuple[str, int, int], hashes: Sequence[bytes], block_ids: Sequence[int], lease_id: int = 0
 ) -> bytes:
-    head = _ident(worker[0]) + _ranks(worker) + struct.pack("<Q", lease_id)
+    head = _ident(worker[0]) + _pack("<IIQ", worker[1], worker[2], lease_id)
     return _frame(OP_LOAD, head + _hashes(hashes) + _block_ids(block_ids, len(hashes)))
 
 
@@ -131,11 +131,11 @@ def _ident(instance_id: str) -> bytes:
     return struct.pack("<H", len(ident)) + ident
 
 
-def _ranks(worker: tuple[str, int, int]) -> bytes:
+def _pack(fmt: str, *values: int) -> bytes:
     try:
-        return _RANKS.pack(worker[1], worker[2])
-    except struct.error:
-        raise Unframeable("tp_rank or pp_rank does not fit 32 bits") from None
+        return struct.pack(fmt, *values)
+    except struct.error:  # out of the field's range: gRPC answers with its own error
+        raise Unframeable(f"{values} do not fit {fmt}") from None
 
 
 def _hashes(hashes: Sequence[bytes]) -> bytes:

@@ -167,6 +167,14 @@ def test_codec_refuses_what_the_lane_cannot_carry() -> None:
         fq.encode_save(("A", 0, 0), [b"h"], [2**32])
     with pytest.raises(fq.Unframeable, match="32 bits"):
         fq.encode_load(("A", 0, 0), [b"h"], [-1])
+    for encode, args in (
+        (fq.encode_query, ("A", [b"h"], -1)),
+        (fq.encode_release, ("A", 2**64)),
+        (fq.encode_save, (("A", -1, 0), [b"h"], [0])),
+        (fq.encode_load, (("A", 0, 0), [b"h"], [0], -1)),
+    ):
+        with pytest.raises(fq.Unframeable, match="do not fit"):
+            encode(*args)
 
 
 @pytest.mark.process
