@@ -53,7 +53,7 @@ sys.path.insert(0, str(BENCH))
 
 import vllm_ttft_model  # noqa: E402
 
-from kvseal.bench.engine import stop_process  # noqa: E402
+from kvseal.bench.engine import CpuWatch, stop_process  # noqa: E402
 
 RUNS = (
     ("base", "none"),
@@ -124,35 +124,6 @@ class Engine:
     def stop(self) -> None:
         stop_process(self.proc)
         self._log.close()
-
-
-class CpuWatch:
-    """CPU time other processes took while the benchmark ran (on a 2-vCPU machine a busy neighbour slows the
-    single vLLM thread down directly, so the figures are only meaningful when that is near 0)."""
-
-    def __init__(self) -> None:
-        self._start = self._sample()
-
-    @staticmethod
-    def _sample() -> tuple[float, float, float, float]:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        hz = os.sysconf("SC_CLK_TCK")
-        user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
-        t = os.times()
-        own = t.user + t.system + t.children_user + t.children_system
-        return (user + nice + system + irq + softirq) / hz, steal / hz, own, time.monotonic()
-
-    def report(self) -> tuple[str, bool]:
-        busy0, steal0, own0, t0 = self._start
-        busy1, steal1, own1, t1 = self._sample()
-        others = max(0.0, (busy1 - busy0) - (own1 - own0))
-        contended = others > 0.1 * (t1 - t0)
-        return (
-            f"CPU meanwhile: this benchmark (vLLM runs and engine) {own1 - own0:.0f} s, other processes "
-            f"{others:.0f} s, stolen {steal1 - steal0:.0f} s, over {t1 - t0:.0f} s wall on {os.cpu_count()} CPUs"
-            + (" -- CONTENDED: the figures are noisy, rerun on a quiet machine" if contended else ""),
-            contended,
-        )
 
 
 def vllm_env(vllm_cpu: str) -> dict[str, str]:
@@ -297,7 +268,7 @@ def main() -> int:
             )
     finally:
         engine.stop()
-    contention, _ = watch.report()
+    contention = watch.report("this benchmark (vLLM runs and engine)")
 
     if not a.workdir:
         shutil.rmtree(storage, ignore_errors=True)  # keep the logs, drop the ExampleConnector's files

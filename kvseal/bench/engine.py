@@ -515,12 +515,12 @@ class CpuWatch:
         own = t.user + t.system + t.children_user + t.children_system
         return (user + nice + system + irq + softirq) / hz, steal / hz, own, time.monotonic()
 
-    def report(self) -> str:
+    def report(self, ours: str = "this benchmark and its engines") -> str:
         busy0, steal0, own0, t0 = self._start
         busy1, steal1, own1, t1 = self._sample()
         others = max(0.0, (busy1 - busy0) - (own1 - own0))
         return (
-            f"CPU while running: this benchmark and its engines {own1 - own0:.1f} s, other processes "
+            f"CPU while running: {ours} {own1 - own0:.1f} s, other processes "
             f"{others:.1f} s, stolen by the hypervisor {steal1 - steal0:.1f} s, over {t1 - t0:.1f} s wall on "
             f"{os.cpu_count()} CPUs{' -- CONTENDED, figures are noisy' if others > 0.1 * (t1 - t0) else ''}"
         )
