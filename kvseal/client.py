@@ -3,18 +3,23 @@
     client = EngineClient("127.0.0.1:50055")
     status = client.register(instance_id="i0", namespace="llama-8b", tp_rank=0, tp_size=1, pp_rank=0,
                              world_size=1, block_size=16, layers=[layer_from_tensor("model.layers.0.attn", kv0, ...)])
-    session = client.open_session(("i0", 0, 0))     # liveness: closing it drops the worker's mappings and leases
     client.save(("i0", 0, 0), hashes, block_ids)
-    hits, lease = client.query("i0", hashes)
-    client.load(("i0", 0, 0), hashes[:hits], block_ids[:hits], lease_id=lease)
+    q = client.query("i0", hashes)
+    client.load(("i0", 0, 0), hashes[:q.hits], block_ids[:q.hits], lease_id=q.lease_id)
 
-Errors arrive as kvseal.errors exceptions (InvalidArgument, FailedPrecondition, NotFound, Unavailable …) whose
-message is the engine's.
+A worker's calls go over the engine's local lane (kvseal.lane), a unix socket whose path the `Info` RPC names:
+the KV memory travels there as file descriptors, and the lane connection is the worker's session — what this client
+registered lives exactly as long as that connection (`session_alive()`; closing the client ends it). Queries and
+releases fall back to gRPC when the lane cannot carry them. Every call has a deadline (`timeout`): an engine that
+does not answer in time raises DeadlineExceeded, never hangs the caller.
+
+Errors arrive as kvseal.errors exceptions (InvalidArgument, FailedPrecondition, NotFound, PermissionDenied,
+Unavailable, DeadlineExceeded …) whose message is the engine's.
 """
 
 from __future__ import annotations
 
-import os
+import select
 import socket
 import threading
 import time
@@ -22,35 +27,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
+import numpy as np
 
 from kvseal import lane as ln
-from kvseal.errors import KvsealError, error_for_status
+from kvseal.errors import DeadlineExceeded, KvsealError, Unavailable, error_for_status
+from kvseal.memfd import SharedArray, SharedRegion, share_storage
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
 
 WorkerKey = tuple[str, int, int]
-
-
-class Session:
-    """A worker's liveness stream. The engine drops the worker when it ends (close(), crash or lost channel)."""
-
-    def __init__(self, stream: Any) -> None:
-        self._stream = stream
-        first = next(stream)  # the engine answers at once with the instance's status
-        self.status: pb.InstanceStatus = first.status
-        self._thread = threading.Thread(target=self._drain, name="kvseal-session", daemon=True)
-        self._thread.start()
-
-    def _drain(self) -> None:
-        try:
-            for _ in self._stream:
-                pass
-        except grpc.RpcError:
-            pass
-
-    def close(self) -> None:
-        self._stream.cancel()
-        self._thread.join(timeout=5)
 
 
 class EngineClient:
@@ -60,7 +45,6 @@ class EngineClient:
         *,
         token: str | None = None,
         timeout: float = 30.0,
-        use_lane: bool = True,
         lane_spin_us: int = 1000,
     ) -> None:
         """`lane_spin_us`: Query and Release poll for the engine's answer for up to this long before their thread
@@ -74,9 +58,9 @@ class EngineClient:
             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
         )
         self._stub = pb_grpc.EngineStub(self._channel)
-        self._use_lane = use_lane and not token  # the lane has no token: a token-protected engine is gRPC only
+        self._token = token
         self._lane: _Lane | None = None
-        self._lane_retry_at = 0.0
+        self._lane_lock = threading.Lock()
         self._lane_spin_s = lane_spin_us / 1e6
 
     def close(self) -> None:
@@ -127,29 +111,33 @@ class EngineClient:
             block_size=block_size,
             layers=layers,
         )
-        return self._call("Register", request).status
+        wire, fds = _fds_as_indexes(request)
+        body = self._lane_required().call(ln.encode_register(wire.SerializeToString()), fds=fds)
+        return pb.InstanceStatus.FromString(body)
 
-    # Query, Release, Save and Load take the local lane when the engine offers one (kvseal.lane); a request the
-    # lane cannot frame, or a lane that broke, goes over gRPC instead.
+    def unregister(self, worker: WorkerKey) -> int:
+        body = self._lane_required().call(ln.encode_unregister(worker))
+        return int.from_bytes(body[:4], "little")
+
+    def session_alive(self) -> bool:
+        """Whether the lane connection that carries this client's registrations is still open (False once the
+        engine restarted or the connection dropped: register again)."""
+        lane = self._lane
+        return lane is not None and lane.alive()
 
     def save(self, worker: WorkerKey, hashes: Sequence[bytes], block_ids: Sequence[int]) -> pb.SaveResponse:
-        body = self._lane_call(ln.encode_save, worker, hashes, block_ids)
-        if body is not None:
-            written, skipped, not_stored, completed, ns = ln.decode_save_ok(body)
-            return pb.SaveResponse(
-                written=written, skipped=skipped, not_stored=not_stored, completed=completed, namespace_final=ns
-            )
-        return self._call("Save", pb.SaveRequest(worker=_worker(worker), block_hashes=hashes, block_ids=block_ids))
+        body = self._lane_required().call(_encode(ln.encode_save, worker, hashes, block_ids))
+        written, skipped, not_stored, completed, ns = ln.decode_save_ok(body)
+        return pb.SaveResponse(
+            written=written, skipped=skipped, not_stored=not_stored, completed=completed, namespace_final=ns
+        )
 
     def load(
         self, worker: WorkerKey, hashes: Sequence[bytes], block_ids: Sequence[int], lease_id: int = 0
     ) -> pb.LoadResponse:
-        body = self._lane_call(ln.encode_load, worker, hashes, block_ids, lease_id)
-        if body is not None:
-            outcome, loaded, reason, message = ln.decode_load_ok(body)
-            return pb.LoadResponse(outcome=outcome, loaded=loaded, reason=reason, message=message)  # type: ignore[arg-type]
-        request = pb.LoadRequest(worker=_worker(worker), block_hashes=hashes, block_ids=block_ids, lease_id=lease_id)
-        return self._call("Load", request)
+        body = self._lane_required().call(_encode(ln.encode_load, worker, hashes, block_ids, lease_id))
+        outcome, loaded, reason, message = ln.decode_load_ok(body)
+        return pb.LoadResponse(outcome=outcome, loaded=loaded, reason=reason, message=message)  # type: ignore[arg-type]
 
     def query(
         self, instance_id: str, hashes: Sequence[bytes], *, request_id: str = "", lease_ttl_ms: int = 0
@@ -172,69 +160,81 @@ class EngineClient:
         return self._call("Info", pb.InfoRequest())
 
     def _lane_call(self, encode: Callable[..., bytes], *args: Any, spin: bool = False) -> bytes | None:
-        """The OK body of the engine's answer over the lane, or None when the request goes over gRPC instead.
-        The engine's errors are raised. With `spin`, the answer is polled for (see lane_spin_us)."""
-        lane = self._lane_for_call()
-        if lane is None:
-            return None
+        """The OK body of the engine's answer over the lane, or None when the request cannot be framed there (the
+        caller then uses gRPC). The engine's errors are raised. With `spin`, the answer is polled for."""
         try:
             frame = encode(*args)
         except ln.Unframeable:
             return None
-        return lane.call(frame, self._lane_spin_s if spin else 0.0)
+        return self._lane_required().call(frame, spin_s=self._lane_spin_s if spin else 0.0)
 
-    def _lane_for_call(self) -> _Lane | None:
-        if not self._use_lane:
-            return None
-        if self._lane is None or self._lane.path == "":
-            if time.monotonic() < self._lane_retry_at:
-                return None
-            self._lane_retry_at = time.monotonic() + 5.0
-            try:
+    def _lane_required(self) -> _Lane:
+        """The lane connection, opened (and greeted with the token) on first use, or again after it broke."""
+        with self._lane_lock:
+            if self._lane is None or self._lane.broken:
                 path = self.info().lane_socket
-            except KvsealError:
-                return None
-            self._lane = _Lane(path)
-        return self._lane if self._lane.path else None
-
-    def unregister(self, worker: WorkerKey) -> int:
-        return self._call("Unregister", pb.UnregisterRequest(worker=_worker(worker))).remaining_workers
-
-    def open_session(self, worker: WorkerKey) -> Session:
-        try:
-            stream = self._stub.Session(pb.SessionRequest(worker=_worker(worker)), metadata=self._metadata)
-            return Session(stream)
-        except grpc.RpcError as e:
-            raise error_for_status(e.code().name, e.details() or "") from None
+                if not path:
+                    raise Unavailable(f"the engine at {self.target} announces no local lane")
+                self._lane = _Lane(path, self.timeout, self._token)
+            return self._lane
 
 
 class _Lane:
-    """One connection to the engine's local lane (kvseal.lane). `call` returns the OK body, raises the
-    engine's error, or returns None when the lane is unusable (the caller then uses gRPC)."""
+    """One connection to the engine's local lane (kvseal.lane): the session of what it registers. `call` returns
+    the OK body or raises the engine's error; a connection that failed (deadline, engine gone) is closed and marked
+    broken, and every registration it carried is gone with it."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, timeout: float, token: str | None) -> None:
         self.path = path
-        self._sock: socket.socket | None = None
+        self.timeout = timeout
+        self.broken = False
         self._lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(path)
+        except OSError as e:
+            self._break()
+            if isinstance(e, TimeoutError):
+                raise DeadlineExceeded(f"the engine's lane {path!r} did not accept within {timeout}s") from None
+            raise Unavailable(f"the engine's lane {path!r} is unreachable: {e.strerror or e}") from None
+        if token is not None:
+            self.call(ln.encode_hello(token))
 
-    def call(self, frame: bytes, spin_s: float = 0.0) -> bytes | None:
-        """Sends a frame and returns the answer, polling for it for up to `spin_s` before sleeping in recv."""
+    def alive(self) -> bool:
+        if self.broken:
+            return False
         with self._lock:
             try:
-                if self._sock is None:
-                    if not self.path or not os.path.exists(self.path):
-                        return None
-                    self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    self._sock.connect(self.path)
-                self._sock.sendall(frame)
+                if not select.select([self._sock], [], [], 0)[0]:
+                    return True  # nothing to read: no end of stream either
+                return self._sock.recv(1, socket.MSG_PEEK) != b""  # readable, so this does not wait
+            except OSError:
+                return False
+
+    def call(self, frame: bytes, spin_s: float = 0.0, fds: Sequence[int] = ()) -> bytes:
+        """Sends a frame (with `fds` as SCM_RIGHTS) and returns the answer's body, polling for it for up to `spin_s`
+        before sleeping in recv. The whole call is bounded by the lane's timeout."""
+        with self._lock:
+            if self.broken:
+                raise Unavailable(f"the connection to the engine's lane {self.path!r} is closed")
+            deadline = time.monotonic() + self.timeout
+            try:
+                if fds:
+                    sent = socket.send_fds(self._sock, [frame], list(fds))
+                    if sent < len(frame):
+                        self._sock.sendall(frame[sent:])
+                else:
+                    self._sock.sendall(frame)
                 if spin_s > 0:
                     _poll(self._sock, spin_s)
-                reply = ln.read_frame(self._sock)
-                if reply is None:
-                    raise ConnectionError("the engine closed the lane")
-            except (OSError, KvsealError):
-                self._close_locked()
-                return None
+                reply = _read_reply(self._sock, deadline)
+            except TimeoutError:
+                self._break()
+                raise DeadlineExceeded(f"no answer within {self.timeout}s on the engine's lane {self.path!r}") from None
+            except (OSError, KvsealError) as e:
+                self._break()
+                raise Unavailable(f"the engine's lane {self.path!r} failed: {e}") from None
         code, body = reply
         if code != 0:
             raise error_for_status(ln.STATUS_NAMES.get(code, "INTERNAL"), body.decode(errors="replace"))
@@ -242,16 +242,48 @@ class _Lane:
 
     def close(self) -> None:
         with self._lock:
-            self._close_locked()
+            self._break()
 
     def __del__(self) -> None:  # a client dropped without close() must not leak its socket
-        if self._sock is not None:
-            self._sock.close()
+        self._sock.close()
 
-    def _close_locked(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+    def _break(self) -> None:
+        self.broken = True
+        self._sock.close()
+
+
+def _read_reply(sock: socket.socket, deadline: float) -> tuple[int, bytes]:
+    """One answer frame: `deadline` bounds the wait for it to start, the socket's timeout every read after."""
+    left = deadline - time.monotonic()
+    if left <= 0 or not select.select([sock], [], [], left)[0]:
+        raise TimeoutError
+    reply = ln.read_frame(sock)
+    if reply is None:
+        raise ConnectionError("the engine closed the lane")
+    return reply
+
+
+def _encode(encode: Callable[..., bytes], *args: Any) -> bytes:
+    try:
+        return encode(*args)
+    except ln.Unframeable as e:  # Save and Load exist on the lane only
+        raise error_for_status("INVALID_ARGUMENT", str(e)) from None
+
+
+def _fds_as_indexes(request: pb.RegisterRequest) -> tuple[pb.RegisterRequest, list[int]]:
+    """A copy of the request whose ShmHandle.fd fields index the list of distinct descriptors it returns."""
+    wire = pb.RegisterRequest()
+    wire.CopyFrom(request)
+    fds: list[int] = []
+    for layer in wire.layers:
+        if layer.memory.WhichOneof("kind") == "shm":
+            fd = layer.memory.shm.fd
+            if fd not in fds:
+                fds.append(fd)
+            layer.memory.shm.fd = fds.index(fd)
+    if len(fds) > ln.MAX_FDS:
+        raise error_for_status("INVALID_ARGUMENT", f"layers use {len(fds)} separate memfds; at most {ln.MAX_FDS}")
+    return wire, fds
 
 
 def _poll(sock: socket.socket, seconds: float) -> None:
@@ -265,50 +297,20 @@ def _poll(sock: socket.socket, seconds: float) -> None:
             continue
 
 
-def _worker(worker: WorkerKey) -> pb.WorkerId:
-    return pb.WorkerId(instance_id=worker[0], tp_rank=worker[1], pp_rank=worker[2])
-
-
 # -------------------------------------------------------------------- memory handles
 
 
-def shm_handle(path: str, offset: int, size: int) -> pb.MemoryHandle:
-    return pb.MemoryHandle(shm=pb.ShmHandle(path=path, offset=offset, size=size))
+def shm_handle(region: SharedRegion, offset: int = 0) -> pb.MemoryHandle:
+    """The handle of memory at `offset` bytes into a sealed memfd region (kvseal.memfd); the fd is this process's
+    own, sent with the registration."""
+    return pb.MemoryHandle(shm=pb.ShmHandle(fd=region.fd, offset=region.offset + offset, size=region.size))
 
 
 def share_tensor(tensor: Any) -> pb.MemoryHandle:
-    """Moves a CPU torch tensor's storage to shared memory in place (every view keeps working) and returns the
-    handle the engine maps. The tensor must stay alive while the worker is registered."""
-    import torch.multiprocessing
-
-    storage = tensor.untyped_storage()
-    if not storage.is_shared():
-        _check_shm_room(storage.nbytes())
-        tensor.share_memory_()
-        storage = tensor.untyped_storage()
-    offset = tensor.data_ptr() - storage.data_ptr()
-    if torch.multiprocessing.get_sharing_strategy() == "file_system":
-        _, name, nbytes = storage._share_filename_cpu_()
-        path = "/dev/shm/" + name.decode().lstrip("/")
-        size = os.stat(path).st_size
-        offset += size - nbytes  # torch puts a small header (its reference count) before the data
-    else:
-        fd, size = storage._share_fd_cpu_()
-        path = f"/proc/{os.getpid()}/fd/{fd}"
-    return shm_handle(path, offset, size)
-
-
-def _check_shm_room(nbytes: int) -> None:
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        raise KvsealError("/dev/shm is missing: the KV cache cannot be shared with the engine") from None
-    free = st.f_bavail * st.f_frsize
-    if free < nbytes:
-        raise KvsealError(
-            f"/dev/shm has {free} bytes free but the KV cache needs {nbytes}: give the container more shared "
-            f"memory (docker run --shm-size={max(1, -(-nbytes * 2 // (1 << 30)))}g) or lower the KV cache size"
-        )
+    """Moves a CPU torch tensor's storage into a sealed memfd in place (every view keeps working, kvseal.memfd) and
+    returns the handle the engine maps. The tensor must stay alive while the worker is registered."""
+    region = share_storage(tensor)
+    return shm_handle(region, tensor.data_ptr() - tensor.untyped_storage().data_ptr())
 
 
 def layer_from_tensor(
@@ -345,4 +347,27 @@ def layer_from_tensor(
         num_blocks=num_blocks,
         strides=strides,
         memory=share_tensor(tensor),
+    )
+
+
+def layer_from_array(
+    name: str, array: np.ndarray, shared: SharedArray, *, layout_tag: str, dtype: str, group_id: int = 0
+) -> pb.LayerSpec:
+    """Describes a numpy KV array of shape [num_blocks, ...] (one page per block), a view into `shared`, for
+    workers without torch."""
+    offset = array.ctypes.data - shared.array.ctypes.data
+    if not 0 <= offset < shared.region.size:
+        raise ValueError(f"{name}: the array is not a view into the shared memory given")
+    if not array[0].flags.c_contiguous:
+        raise ValueError(f"{name}: the bytes of one block must be contiguous")
+    return pb.LayerSpec(
+        name=name,
+        dtype=dtype,
+        segment_bytes=array[0].nbytes,
+        segments=1,
+        group_id=group_id,
+        layout_tag=layout_tag,
+        num_blocks=array.shape[0],
+        strides=[array.strides[0]],
+        memory=shm_handle(shared.region, offset),
     )

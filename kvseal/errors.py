@@ -31,6 +31,12 @@ class NotFound(KvsealError):
     status = "NOT_FOUND"
 
 
+class PermissionDenied(KvsealError):
+    """The caller is known but may not act on what it names: another session's worker, another user's instance."""
+
+    status = "PERMISSION_DENIED"
+
+
 class ResourceExhausted(KvsealError):
     """The engine cannot hold what is asked (a page larger than the pool)."""
 
@@ -57,6 +63,7 @@ def error_for_status(status: str, message: str) -> KvsealError:
         InvalidArgument,
         FailedPrecondition,
         NotFound,
+        PermissionDenied,
         ResourceExhausted,
         Unauthenticated,
         Unavailable,

@@ -1,28 +1,35 @@
-"""The local lane: Query, Release, Save and Load as binary frames on a local unix socket.
+"""The local lane: every call a worker makes, as binary frames on a local unix socket.
 
-Why: a unary gRPC call costs 0.4-2 ms in Python on these machines before the engine does any work (measured in
-`kvseal bench engine`): most of a scheduler step's budget for a query, and as much as the copy itself for a Save
-or Load of a few MiB. This lane is a length-prefixed binary protocol on a unix socket (mode 0600, so only the
-engine's user can connect), served by one engine thread per connection, with the same validation and the same
-engine calls as the gRPC service. The socket path is announced by the `Info` RPC; clients fall back to gRPC when
-it is absent or unreachable, or when a request cannot be framed here (hashes of unequal lengths, block ids past
-32 bits): the engine's answer to those comes from gRPC, unchanged.
+Why a unix socket: a worker hands the engine its KV memory as file descriptors (SCM_RIGHTS), which only a unix
+socket carries; the kernel tells the engine who the peer is (SO_PEERCRED: pid, uid); and a unary gRPC call costs
+0.4-2 ms in Python on these machines before the engine does any work, as much as the copy itself for a Save or
+Load of a few MiB. The lane connection is also the worker's *session*: what a connection registered belongs to it,
+no other connection may save, load or unregister it, and it is dropped when the connection closes (exit, crash,
+deadline). The socket path is announced by the `Info` RPC. Query and Release also exist on gRPC; a query the lane
+cannot frame (hashes of unequal lengths) goes there.
 
 Frames (little endian), one request then one response at a time per connection:
 
-    request  = u32 body_len | u8 op | body
-      every body starts with   u16 id_len | instance_id (utf-8)
-      op 1 QUERY    ... | u32 lease_ttl_ms | hashes
-      op 2 RELEASE  ... | u64 lease_id
-      op 3 SAVE     ... | u32 tp_rank | u32 pp_rank | hashes | n x u32 block_id
-      op 4 LOAD     ... | u32 tp_rank | u32 pp_rank | u64 lease_id | hashes | n x u32 block_id
-      hashes      = u32 n | u8 hash_len | n x hash_len bytes        (one length for every hash of a request)
+    request  = u32 body_len | u8 op | body          body_len <= the op's limit (FRAME_LIMITS), checked on the header
+      op 5 HELLO      u16 token_len | token          first frame when the engine has a token, else optional
+      op 6 REGISTER   a serialized kvseal.v1.RegisterRequest; the memfds travel as SCM_RIGHTS with the frame's
+                      first byte, and each ShmHandle.fd is an index into them
+      every other body starts with   u16 id_len | instance_id (utf-8)
+      op 1 QUERY      ... | u32 lease_ttl_ms | hashes
+      op 2 RELEASE    ... | u64 lease_id
+      op 3 SAVE       ... | u32 tp_rank | u32 pp_rank | hashes | n x u32 block_id
+      op 4 LOAD       ... | u32 tp_rank | u32 pp_rank | u64 lease_id | hashes | n x u32 block_id
+      op 7 UNREGISTER ... | u32 tp_rank | u32 pp_rank
+      hashes        = u32 n | u8 hash_len | n x hash_len bytes        (one length for every hash of a request)
     response = u32 body_len | u8 code | body          code: 0 = OK, else a grpc.StatusCode value
-      OK QUERY      u32 hits | u64 lease_id | u32 lease_ttl_ms | u16 ns_len | namespace_final
-      OK RELEASE    (empty)
-      OK SAVE       u32 written | u32 skipped | u32 not_stored | u32 completed | u16 ns_len | namespace_final
-      OK LOAD       u8 outcome (1 loaded, 2 missing, 3 refused) | u32 loaded | u16 len | reason | u16 len | message
-      error         utf-8 message
+      OK HELLO        (empty)
+      OK REGISTER     a serialized kvseal.v1.InstanceStatus
+      OK QUERY        u32 hits | u64 lease_id | u32 lease_ttl_ms | u16 ns_len | namespace_final
+      OK RELEASE      (empty)
+      OK SAVE         u32 written | u32 skipped | u32 not_stored | u32 completed | u16 ns_len | namespace_final
+      OK LOAD         u8 outcome (1 loaded, 2 missing, 3 refused) | u32 loaded | u16 len | reason | u16 len | message
+      OK UNREGISTER   u32 remaining_workers
+      error           utf-8 message
 """
 
 from __future__ import annotations
@@ -36,16 +43,37 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvseal.errors import InvalidArgument
+from kvseal.limits import MAX_BLOCKS_PER_REQUEST, MAX_HASH_BYTES, MAX_LAYERS, MAX_REGISTER_BYTES
 
-OP_QUERY, OP_RELEASE, OP_SAVE, OP_LOAD = 1, 2, 3, 4
-OP_NAMES = {OP_QUERY: "Query", OP_RELEASE: "Release", OP_SAVE: "Save", OP_LOAD: "Load"}
+OP_QUERY, OP_RELEASE, OP_SAVE, OP_LOAD, OP_HELLO, OP_REGISTER, OP_UNREGISTER = 1, 2, 3, 4, 5, 6, 7
+OP_NAMES = {
+    OP_QUERY: "Query",
+    OP_RELEASE: "Release",
+    OP_SAVE: "Save",
+    OP_LOAD: "Load",
+    OP_HELLO: "Hello",
+    OP_REGISTER: "Register",
+    OP_UNREGISTER: "Unregister",
+}
 OUTCOMES = {"loaded": 1, "missing": 2, "refused": 3}  # the values of kvseal.v1.LoadResponse.Outcome
-MAX_FRAME = 64 << 20
+_BLOCKS_FRAME = 64 + 0xFFFF + MAX_BLOCKS_PER_REQUEST * (MAX_HASH_BYTES + 4)  # the largest valid Query/Save/Load
+FRAME_LIMITS = {  # bytes of body per op: a header announcing more is refused before any body is read
+    OP_QUERY: _BLOCKS_FRAME,
+    OP_SAVE: _BLOCKS_FRAME,
+    OP_LOAD: _BLOCKS_FRAME,
+    OP_RELEASE: 0xFFFF + 16,
+    OP_UNREGISTER: 0xFFFF + 16,
+    OP_HELLO: 0xFFFF + 2,
+    OP_REGISTER: MAX_REGISTER_BYTES,
+}
+MAX_FRAME = max(FRAME_LIMITS.values())
+MAX_FDS = 253  # SCM_MAX_FD: descriptors one Register may carry (one per separate KV allocation)
 STATUS_CODES = {  # grpc.StatusCode values, without importing grpc
     "OK": 0,
     "INVALID_ARGUMENT": 3,
     "DEADLINE_EXCEEDED": 4,
     "NOT_FOUND": 5,
+    "PERMISSION_DENIED": 7,
     "RESOURCE_EXHAUSTED": 8,
     "FAILED_PRECONDITION": 9,
     "INTERNAL": 13,
@@ -95,7 +123,24 @@ class LoadRequest:
     block_ids: list[int]
 
 
-Request = QueryRequest | ReleaseRequest | SaveRequest | LoadRequest
+@dataclass(frozen=True, slots=True)
+class UnregisterRequest:
+    worker: tuple[str, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class HelloRequest:
+    token: str
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterRequest:
+    """The serialized kvseal.v1.RegisterRequest (decoded by the server, after count_layers)."""
+
+    body: bytes
+
+
+Request = QueryRequest | ReleaseRequest | SaveRequest | LoadRequest | UnregisterRequest | HelloRequest | RegisterRequest
 
 # ---------------------------------------------------------------------------------------------- encoding
 
@@ -118,6 +163,23 @@ def encode_load(
 ) -> bytes:
     head = _ident(worker[0]) + _pack("<IIQ", worker[1], worker[2], lease_id)
     return _frame(OP_LOAD, head + _hashes(hashes) + _block_ids(block_ids, len(hashes)))
+
+
+def encode_unregister(worker: tuple[str, int, int]) -> bytes:
+    return _frame(OP_UNREGISTER, _ident(worker[0]) + _pack("<II", worker[1], worker[2]))
+
+
+def encode_hello(token: str) -> bytes:
+    raw = token.encode()
+    if len(raw) > 0xFFFF:
+        raise Unframeable("the token is longer than 65535 bytes")
+    return _frame(OP_HELLO, struct.pack("<H", len(raw)) + raw)
+
+
+def encode_register(request_bytes: bytes) -> bytes:
+    if len(request_bytes) > MAX_REGISTER_BYTES:
+        raise InvalidArgument(f"the registration is {len(request_bytes)} bytes; at most {MAX_REGISTER_BYTES}")
+    return _frame(OP_REGISTER, request_bytes)
 
 
 def _frame(op_or_code: int, body: bytes) -> bytes:
@@ -165,7 +227,14 @@ def _block_ids(block_ids: Sequence[int], n: int) -> bytes:
 
 def decode_request(op: int, body: bytes) -> Request:
     """Raises InvalidArgument on anything malformed."""
+    if op == OP_REGISTER:
+        count_layers(body)
+        return RegisterRequest(body)
     try:
+        if op == OP_HELLO:
+            (n,) = struct.unpack_from("<H", body, 0)
+            _end(body, 2 + n, op)
+            return HelloRequest(body[2:].decode())
         (id_len,) = struct.unpack_from("<H", body, 0)
         pos = 2 + id_len
         if pos > len(body):
@@ -180,10 +249,13 @@ def decode_request(op: int, body: bytes) -> Request:
             hashes, pos = _read_hashes(body, pos + 4)
             _end(body, pos, op)
             return QueryRequest(instance_id, ttl, hashes)
-        if op not in (OP_SAVE, OP_LOAD):
+        if op not in (OP_SAVE, OP_LOAD, OP_UNREGISTER):
             raise InvalidArgument(f"unknown op {op}")
         tp_rank, pp_rank = _RANKS.unpack_from(body, pos)
         pos += _RANKS.size
+        if op == OP_UNREGISTER:
+            _end(body, pos, op)
+            return UnregisterRequest((instance_id, tp_rank, pp_rank))
         lease_id = 0
         if op == OP_LOAD:
             (lease_id,) = struct.unpack_from("<Q", body, pos)
@@ -200,6 +272,49 @@ def decode_request(op: int, body: bytes) -> Request:
         return LoadRequest(worker, lease_id, hashes, block_ids)
     except (struct.error, UnicodeDecodeError) as e:
         raise InvalidArgument(f"malformed frame: {e}") from None
+
+
+def count_layers(body: bytes) -> int:
+    """The number of layers (field 8) in a serialized RegisterRequest, read from the wire format without decoding
+    it, so that an oversized registration is refused before protobuf builds a million messages."""
+    pos, layers, end = 0, 0, len(body)
+    try:
+        while pos < end:
+            key, pos = _varint(body, pos)
+            field, wire = key >> 3, key & 7
+            if wire == 0:
+                _, pos = _varint(body, pos)
+            elif wire == 2:
+                n, pos = _varint(body, pos)
+                pos += n
+            elif wire == 1:
+                pos += 8
+            elif wire == 5:
+                pos += 4
+            else:
+                raise InvalidArgument(f"RegisterRequest: wire type {wire} of field {field} is not valid here")
+            if field == 8:
+                layers += 1
+                if layers > MAX_LAYERS:
+                    raise InvalidArgument(f"layers: at most {MAX_LAYERS} layers per worker")
+        if pos != end:
+            raise InvalidArgument("RegisterRequest: the last field runs past the end of the frame")
+    except IndexError:
+        raise InvalidArgument("RegisterRequest: truncated varint") from None
+    return layers
+
+
+def _varint(body: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = body[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise InvalidArgument("RegisterRequest: varint longer than 10 bytes")
 
 
 def _read_hashes(body: bytes, pos: int) -> tuple[list[bytes], int]:
@@ -223,8 +338,13 @@ def _end(body: bytes, pos: int, op: int) -> None:
 # ---------------------------------------------------------------------------------------------- responses
 
 
-def encode_release_ok() -> bytes:
-    return _frame(0, b"")
+def encode_ok(body: bytes = b"") -> bytes:
+    """HELLO, RELEASE (empty) and REGISTER (a serialized InstanceStatus) answers."""
+    return _frame(0, body)
+
+
+def encode_unregister_ok(remaining: int) -> bytes:
+    return _frame(0, struct.pack("<I", remaining))
 
 
 def encode_query_ok(hits: int, lease_id: int, lease_ttl_ms: int, namespace_final: str) -> bytes:
@@ -267,6 +387,38 @@ def decode_load_ok(body: bytes) -> tuple[int, int, str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- sockets
+
+
+class FrameBuffer:
+    """Assembles frames from bytes as they arrive (the server reads without blocking). Memory grows with what the
+    peer actually sent, never with what a header announces; a header over its op's limit is refused at once."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def __len__(self) -> int:
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    def next_frame(self) -> tuple[int, bytes] | None:
+        """The next complete (op, body), or None until more bytes arrive. Raises InvalidArgument for an unknown op
+        or a body over the op's limit."""
+        if len(self._buf) < _HEADER.size:
+            return None
+        length, op = _HEADER.unpack_from(self._buf, 0)
+        limit = FRAME_LIMITS.get(op)
+        if limit is None:
+            raise InvalidArgument(f"unknown op {op}")
+        if length > limit:
+            raise InvalidArgument(f"{OP_NAMES[op]} frame of {length} bytes exceeds its {limit}-byte limit")
+        end = _HEADER.size + length
+        if len(self._buf) < end:
+            return None
+        body = bytes(self._buf[_HEADER.size : end])
+        del self._buf[:end]
+        return op, body
 
 
 def read_frame(sock, max_frame: int = MAX_FRAME) -> tuple[int, bytes] | None:  # type: ignore[no-untyped-def]

@@ -3,34 +3,40 @@ block ids loads back byte-exact with exact counts and balanced accounting; a cop
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from kvseal.core.layout import LayerGeometry, LayerRegistration, WorkerRegistration
-from kvseal.engine.engine import Engine
+from kvseal.engine.engine import Engine, Peer, Session
 from kvseal.engine.memory import ShmSpec
+from kvseal.memfd import SharedArray
 
 SLOT = 4096  # one layer, 4 KiB per block
 BLOCKS = 64
 WORKER = ("w", 0, 0)
 
 
+SESSION = Session(Peer(uid=os.getuid(), pid=os.getpid(), privileged=True))
+
+
 @pytest.fixture
-def engine(shm_files: Callable[[int], str]) -> Iterator[tuple[Engine, np.ndarray]]:
-    path = shm_files(BLOCKS * SLOT)
+def engine() -> Iterator[tuple[Engine, np.ndarray]]:
+    shared = SharedArray((BLOCKS, SLOT))
     engine = Engine(8 << 20, slab_bytes=1 << 20)
     layer = LayerRegistration(
         LayerGeometry("model.layers.0.attn", "bfloat16", SLOT, 1, 0, "test"),
         BLOCKS,
         (SLOT,),
-        ShmSpec(path, 0, BLOCKS * SLOT),
+        ShmSpec(0, 0, shared.region.size),
     )
-    engine.register(WorkerRegistration("w", "ns", 0, 1, 0, 1, 16, (layer,)))
-    memory = np.memmap(path, dtype=np.uint8, mode="r+", shape=(BLOCKS, SLOT))
+    engine.register(WorkerRegistration("w", "ns", 0, 1, 0, 1, 16, (layer,)), SESSION, [shared.fd])
+    memory = shared.array
     memory[:] = np.random.default_rng(7).integers(0, 256, memory.shape, dtype=np.uint8)
     yield engine, memory
+    shared.close()
 
 
 def hashes(start: int, n: int) -> list[bytes]:
@@ -39,23 +45,23 @@ def hashes(start: int, n: int) -> list[bytes]:
 
 def test_a_save_loads_back_byte_exact(engine: tuple[Engine, np.ndarray]) -> None:
     eng, memory = engine
-    first = eng.save(WORKER, hashes(0, 10), list(range(10)))
+    first = eng.save(WORKER, hashes(0, 10), list(range(10)), SESSION)
     assert (first.written, first.completed) == (10, 10)
 
     # 5 hashes already sealed, one hash twice, block ids in consecutive runs and scattered
     batch = hashes(5, 39) + hashes(20, 1)
     ids = list(range(5, 30)) + [43, 31, 30, 42, 41, 40, 39, 32, 33, 34, 35, 36, 37, 38] + [20]
-    r = eng.save(WORKER, batch, ids)
+    r = eng.save(WORKER, batch, ids, SESSION)
     assert (r.written, r.skipped, r.not_stored, r.completed) == (35, 5, 0, 34)
     eng.store.check_invariants()
 
     source = memory[:44].copy()
     memory[:44] = 0
-    q = eng.query("w", hashes(0, 44))
+    q = eng.query("w", hashes(0, 44), SESSION.peer)
     assert q.hits == 44
     order = list(range(44))
     order[10:20] = order[19:9:-1]  # load into a scattered order too
-    loaded = eng.load(WORKER, [hashes(0, 44)[i] for i in order], order, q.lease_id)
+    loaded = eng.load(WORKER, [hashes(0, 44)[i] for i in order], order, SESSION, q.lease_id)
     assert (loaded.outcome, loaded.loaded) == ("loaded", 44)
     expected = source.copy()
     expected[5:44] = source[ids[:39]]  # hash 5 + k was saved from block ids[k], and is loaded into block 5 + k
@@ -73,8 +79,8 @@ def test_a_failed_copy_stores_nothing(engine: tuple[Engine, np.ndarray], monkeyp
 
     monkeypatch.setattr(worker.copier, "save", failing)
     with pytest.raises(OSError):
-        eng.save(WORKER, hashes(0, 48), list(range(48)))
-    assert eng.query("w", hashes(0, 48)).hits == 0
+        eng.save(WORKER, hashes(0, 48), list(range(48)), SESSION)
+    assert eng.query("w", hashes(0, 48), SESSION.peer).hits == 0
     s = eng.store.statistics()
     assert (s.resident_blocks, s.inflight_blocks, s.free_bytes) == (0, 0, s.arena_bytes)
     eng.store.check_invariants()

@@ -21,7 +21,8 @@ from conftest import REPO, EngineProcess, free_port, serve_command, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from workers import LayerDef, Worker, attn_layers
 
-from kvseal.client import EngineClient, shm_handle
+from kvseal import memfd
+from kvseal.client import EngineClient
 from kvseal.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated
 from kvseal.proto import kvseal_pb2 as pb
 
@@ -236,8 +237,7 @@ def test_sigkill_of_a_worker_drops_its_instance_and_leases(
     a0, a1, b0, b1 = spawn(engine.target, 4)
     layers = attn_layers(4)
     status_a = register_tp([a0, a1], "A", [layers, layers], seed=1)
-    for w in (a0, a1):
-        assert w.open_session().namespace_final == status_a.namespace_final
+    assert status_a.sealed and a0.session_alive() and a1.session_alive()
     save_all([a0, a1], HASHES, A_BLOCKS)
     saved = {0: a0.read(A_BLOCKS), 1: a1.read(A_BLOCKS)}
     register_tp([b0, b1], "B", [layers, layers[::-1]], seed=2)
@@ -421,7 +421,7 @@ def test_token_required_on_grpc_and_http(
             with pytest.raises(Unauthenticated):
                 client.release("nobody", 1)
             with pytest.raises(Unauthenticated):
-                client.open_session(("nobody", 0, 0))
+                client.unregister(("nobody", 0, 0))
     with EngineClient(engine.target, token="s3cret") as client:
         with pytest.raises(NotFound):  # past the token check: the engine answers
             client.query("nobody", HASHES)
@@ -444,16 +444,16 @@ def test_token_required_on_grpc_and_http(
 # -------------------------------------------------------------------- registration errors
 
 
-def _layer(name: str, memory: pb.MemoryHandle, num_blocks: int = 32, segment_bytes: int = 2048) -> pb.LayerSpec:
+def _layer(name: str, fd: int, offset: int = 0, size: int = 4096, num_blocks: int = 2) -> pb.LayerSpec:
     return pb.LayerSpec(
         name=name,
         dtype="float16",
-        segment_bytes=segment_bytes,
+        segment_bytes=2048,
         segments=1,
         layout_tag="cpu-LBHNC",
         num_blocks=num_blocks,
-        strides=[segment_bytes],
-        memory=memory,
+        strides=[2048],
+        memory=pb.MemoryHandle(shm=pb.ShmHandle(fd=fd, offset=offset, size=size)),
     )
 
 
@@ -470,25 +470,34 @@ def _register(client: EngineClient, layers: list[pb.LayerSpec], instance_id: str
     )
 
 
-def test_register_rejects_bad_memory(engine: EngineProcess, tmp_path: Path, shm_files: Callable[[int], str]) -> None:
+def test_register_rejects_memory_it_cannot_trust(engine: EngineProcess, tmp_path: Path) -> None:
+    """Memory arrives as descriptors, and only a read-write memfd sealed against shrinking is mapped."""
     regular = tmp_path / "kv.bin"
-    regular.write_bytes(bytes(32 * 2048))
-    small = shm_files(4096)
-    with engine.client() as client:
-        with pytest.raises(InvalidArgument, match=r"layers\[0\]\.memory\.shm\.path .*/dev/shm"):
-            _register(client, [_layer("l0", shm_handle(str(regular), 0, 32 * 2048))])
-        with pytest.raises(InvalidArgument, match=r"layers\[0\]\.memory\.shm\.offset 0 \+ layer extent 65536 exceeds"):
-            _register(client, [_layer("l0", shm_handle(small, 0, 4096))])
-        with pytest.raises(InvalidArgument, match=r"layers\[1\]\.memory\.shm\.offset 3072 \+ layer extent 2048 exc"):
-            _register(
-                client, [_layer("l0", shm_handle(small, 0, 4096), 2), _layer("l1", shm_handle(small, 3072, 4096), 1)]
-            )
-        with pytest.raises(FailedPrecondition, match=r"layers\[0\]\.memory\.shm\.path .* cannot be opened"):
-            _register(client, [_layer("l0", shm_handle(small + "-gone", 0, 4096), 2)])
-        # nothing was registered by the failures; a layer that fits registers and seals
-        assert engine.get_json("/v1/instances") == []
-        status = _register(client, [_layer("l0", shm_handle(small, 0, 4096), 2)])
-        assert_sealed_status(status)
+    regular.write_bytes(bytes(4096))
+    unsealed = memfd.new_memfd(4096)
+    sealed = memfd.SharedArray((4096,))
+    read_only = os.open(f"/proc/self/fd/{sealed.fd}", os.O_RDONLY)
+    try:
+        with engine.client() as client, open(regular, "r+b") as disk_file:
+            with pytest.raises(InvalidArgument, match=r"layers\[0\]\.memory\.shm: the descriptor is not shared memory"):
+                _register(client, [_layer("l0", disk_file.fileno())])
+            with pytest.raises(InvalidArgument, match=r"layers\[0\]\.memory\.shm: .*sealed with F_SEAL_SHRINK"):
+                _register(client, [_layer("l0", unsealed)])
+            with pytest.raises(InvalidArgument, match=r"layers\[0\]\.memory\.shm: .*must be open read-write"):
+                _register(client, [_layer("l0", read_only)])
+            with pytest.raises(InvalidArgument, match=r"layers\[0\]\.memory\.shm\.size 8192 must be in 1\.\.4096"):
+                _register(client, [_layer("l0", sealed.fd, size=8192)])
+            with pytest.raises(InvalidArgument, match=r"layers\[0\]\.memory\.shm\.offset 0 \+ layer extent 65536 exc"):
+                _register(client, [_layer("l0", sealed.fd, num_blocks=32)])
+            with pytest.raises(InvalidArgument, match=r"layers\[1\]\.memory\.shm\.offset 3072 \+ layer extent 2048 "):
+                _register(client, [_layer("l0", sealed.fd), _layer("l1", sealed.fd, offset=3072, num_blocks=1)])
+            # nothing was registered by the failures; a layer that fits registers and seals
+            assert engine.get_json("/v1/instances") == []
+            assert_sealed_status(_register(client, [_layer("l0", sealed.fd)]))
+    finally:
+        for fd in (unsealed, read_only):
+            os.close(fd)
+        sealed.close()
 
 
 def test_register_missing_owner_then_retry(engine: EngineProcess, spawn: Callable[..., list[Worker]]) -> None:

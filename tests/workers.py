@@ -135,11 +135,16 @@ class Worker:
         self.worker_key = (instance_id, tp_rank, 0)
         return status
 
-    def open_session(self) -> Any:
-        return self.call("open_session")
+    def reconnect(self) -> None:
+        """Closes this worker's lane connection (its session: the engine drops what it registered) and opens a
+        new client, as a restarted process would."""
+        self.call("reconnect")
 
-    def close_session(self) -> None:
-        self.call("close_session")
+    def unregister(self) -> int:
+        return self.call("unregister")
+
+    def session_alive(self) -> bool:
+        return self.call("session_alive")
 
     def save(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> Any:
         return self.call("save", hashes=list(hashes), block_ids=list(block_ids))
@@ -179,10 +184,8 @@ class Worker:
 def _serve(conn: multiprocessing.connection.Connection, target: str, token: str | None) -> None:
     import torch
 
-    from kvseal.client import EngineClient
-
     torch.set_num_threads(1)
-    state = _State(EngineClient(target, token=token))
+    state = _State(target, token)
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -201,12 +204,15 @@ def _serve(conn: multiprocessing.connection.Connection, target: str, token: str 
 
 
 class _State:
-    def __init__(self, client: Any) -> None:
-        self.client = client
+    def __init__(self, target: str, token: str | None) -> None:
+        from kvseal.client import EngineClient
+
+        self.target, self.token = target, token
+        self.client = EngineClient(target, token=token)
         self.tensors: dict[str, Any] = {}  # layer name -> KV tensor [num_blocks, ...]
         self.order: list[str] = []
-        self.session: Any = None
         self.key: tuple[str, int, int] | None = None
+        self.keep: list[Any] = []  # memory the tensors live in
 
     def _allocate(self, layers: list[LayerDef], seed: int, one_allocation: bool) -> None:
         import torch
@@ -218,10 +224,16 @@ class _State:
             whole = torch.randn((len(layers), *first.shape), generator=gen).to(getattr(torch, first.dtype))
             for i, layer in enumerate(layers):
                 self.tensors[layer.name] = whole[i]
-        else:
+        else:  # separate allocations, each on pages of its own (small heap tensors would share pages)
+            from kvseal.memfd import SharedArray
+
             for layer in layers:
                 t = torch.randn(layer.shape, generator=gen).to(getattr(torch, layer.dtype))
-                self.tensors[layer.name] = t
+                shared = SharedArray((t.numel() * t.element_size(),))
+                self.keep.append(shared)
+                own = torch.from_numpy(shared.array).view(t.dtype).view(t.shape)
+                own.copy_(t)
+                self.tensors[layer.name] = own
 
     def register(
         self,
@@ -258,14 +270,18 @@ class _State:
         self.order = [layer.name for layer in layers]
         return status
 
-    def open_session(self) -> Any:
-        assert self.key is not None
-        self.session = self.client.open_session(self.key)
-        return self.session.status
+    def reconnect(self) -> None:
+        from kvseal.client import EngineClient
 
-    def close_session(self) -> None:
-        self.session.close()
-        self.session = None
+        self.client.close()
+        self.client = EngineClient(self.target, token=self.token)
+
+    def unregister(self) -> int:
+        assert self.key is not None
+        return self.client.unregister(self.key)
+
+    def session_alive(self) -> bool:
+        return self.client.session_alive()
 
     def save(self, hashes: list[bytes], block_ids: list[int]) -> Any:
         assert self.key is not None
@@ -289,6 +305,4 @@ class _State:
         return out
 
     def shutdown(self) -> None:
-        if self.session is not None:
-            self.session.close()
         self.client.close()

@@ -1,6 +1,13 @@
 """The engine: instances and their workers, the store, the arena and the copies, behind one lock.
 
-Thread model: gRPC handlers call these methods concurrently. Book-keeping (registry, store) happens under
+Who may do what (the trust model, enforced here): every call names its caller. A worker registers through a
+`Session` (one lane connection, whose uid the kernel reported); its worker key, registration and mappings belong to
+that session: another session's Save, Load, Unregister or re-Register of it is refused (PERMISSION_DENIED) while the
+session lives, and everything goes when the session ends. An instance belongs to the uid of its first worker: its
+other workers must have that uid, and only that uid or a privileged `Peer` (the engine's own user, root, a token
+holder) may query it or release its leases.
+
+Thread model: lane and gRPC handlers call these methods concurrently. Book-keeping (registry, store) happens under
 `_lock`; copies happen outside it on pages the store keeps alive for the copy (inflight for saves, pinned for
 loads), so a long copy never blocks queries. A worker's mapped memory stays mapped while any copy still refers
 to it, even if the worker is dropped meanwhile (the views keep the mapping alive).
@@ -9,6 +16,7 @@ to it, even if the worker is dropped meanwhile (the views keep the mapping alive
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,13 +32,27 @@ from kvseal.core.layout import (
 from kvseal.core.store import BlockStore, StoreStatistics, page_stride
 from kvseal.engine.copy import SlotSource, WorkerCopier
 from kvseal.engine.memory import Arena, CudaSpec, MappedFile, layer_extent, map_cuda_storage, map_layer_memory
-from kvseal.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-
-MAX_HASH_BYTES = 64
-MAX_BLOCKS_PER_REQUEST = 1 << 17
-MAX_LEASE_TTL_MS = 3_600_000
+from kvseal.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from kvseal.limits import MAX_BLOCKS_PER_REQUEST, MAX_HASH_BYTES
 
 WorkerKey = tuple[str, int, int]  # (instance_id, tp_rank, pp_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """Who is calling, as the kernel (SO_PEERCRED, the TCP socket table) or the token says."""
+
+    uid: int | None  # None: a token holder, whose uid nobody knows
+    pid: int = 0
+    privileged: bool = False  # the engine's own user, root, or a token holder: may query any instance
+
+
+class Session:
+    """One lane connection. The workers it registered are its own, and are dropped when it ends."""
+
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+        self.workers: set[WorkerKey] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +116,9 @@ class EngineStatistics:
 
 
 class _Worker:
-    def __init__(self, reg: WorkerRegistration, memories: list[Any]) -> None:
+    def __init__(self, reg: WorkerRegistration, memories: list[Any], session: Session) -> None:
         self.registration = reg
+        self.session = session
         self.memories = memories  # per layer, in registration order
         self.num_blocks = min(layer.num_blocks for layer in reg.layers)
         self.copier: WorkerCopier | None = None
@@ -104,7 +127,8 @@ class _Worker:
 
 
 class _Instance:
-    def __init__(self, instance_id: str) -> None:
+    def __init__(self, instance_id: str, uid: int | None) -> None:
+        self.uid = uid  # the owner: the uid of its first worker
         self.registry = InstanceRegistry(instance_id)
         self.workers: dict[tuple[int, int], _Worker] = {}
         self.ns_id = -1
@@ -139,14 +163,26 @@ class Engine:
 
     # ---------------------------------------------------------------- registration
 
-    def register(self, reg: WorkerRegistration) -> InstanceStatus:
-        """Registers one worker; seals the instance when it is the last one. On error nothing changes."""
+    def register(self, reg: WorkerRegistration, session: Session, fds: Sequence[int] = ()) -> InstanceStatus:
+        """Registers one worker for `session`, mapping its memory from `fds` (the descriptors that came with the
+        registration; the caller closes them). Seals the instance when it is the last worker. On error nothing
+        changes."""
         validate_registration(reg)
-        memories = self._map_memory(reg)
+        if session.peer.uid is None:
+            raise PermissionDenied("workers register over the local lane, where the kernel names their uid")
+        if any(isinstance(layer.memory, CudaSpec) for layer in reg.layers) and not _same_user(session.peer):
+            raise PermissionDenied(
+                "CUDA IPC handles are accepted only from the engine's own user or root (the driver does not tie a "
+                "handle to the process that exported it): run the engine as the inference server's user"
+            )
         with self._lock:
-            inst = self._instances.get(reg.instance_id) or _Instance(reg.instance_id)
+            self._check_may_register(reg, session)
+        memories = self._map_memory(reg, fds)
+        with self._lock:
+            self._check_may_register(reg, session)  # again: another session may have come in while we mapped
+            inst = self._instances.get(reg.instance_id) or _Instance(reg.instance_id, session.peer.uid)
             before = (dict(inst.registry.workers), inst.registry.sealed)
-            workers = {**inst.workers, reg.key: _Worker(reg, memories)}
+            workers = {**inst.workers, reg.key: _Worker(reg, memories, session)}
             try:
                 sealed = inst.registry.add(reg)
                 copiers = self._plan_copies(workers, sealed) if sealed is not None else {}
@@ -156,6 +192,7 @@ class Engine:
             # nothing below can fail: commit
             self._instances[reg.instance_id] = inst
             inst.workers = workers
+            session.workers.add((reg.instance_id, *reg.key))
             if sealed is not None:
                 inst.ns_id = self.store.namespace(sealed.namespace_final, sealed.layout)
                 for key, w in workers.items():
@@ -163,8 +200,23 @@ class Engine:
                     w.cell_mask = sealed.cell_mask(key)
             return self._status(inst)
 
-    def _map_memory(self, reg: WorkerRegistration) -> list[Any]:
-        files: dict[tuple[str, int], MappedFile] = {}
+    def _check_may_register(self, reg: WorkerRegistration, session: Session) -> None:
+        inst = self._instances.get(reg.instance_id)
+        if inst is None:
+            return
+        if inst.uid != session.peer.uid:
+            raise PermissionDenied(
+                f"instance_id {reg.instance_id!r} belongs to another user (uid {inst.uid}): pick another instance_id"
+            )
+        w = inst.workers.get(reg.key)
+        if w is not None and w.session is not session:
+            raise PermissionDenied(
+                f"worker tp_rank {reg.tp_rank} pp_rank {reg.pp_rank} of instance {reg.instance_id!r} is held by "
+                f"another session (pid {w.session.peer.pid}); it is released when that session ends"
+            )
+
+    def _map_memory(self, reg: WorkerRegistration, fds: Sequence[int]) -> list[Any]:
+        files: dict[tuple[int, int], MappedFile] = {}
         memories = []
         for i, layer in enumerate(reg.layers):
             g = layer.geometry
@@ -173,7 +225,7 @@ class Engine:
             if isinstance(layer.memory, CudaSpec):
                 memories.append(map_cuda_storage(where, layer.memory, extent))
             else:
-                memories.append(map_layer_memory(where, layer.memory, extent, files).bytes)
+                memories.append(map_layer_memory(where, layer.memory, extent, fds, files).bytes)
         return memories
 
     def _plan_copies(
@@ -207,44 +259,40 @@ class Engine:
             copiers[key] = WorkerCopier(sources, self.arena.bytes, page_stride(layout.page_bytes))
         return copiers
 
-    def unregister(self, worker: WorkerKey) -> int:
+    def unregister(self, worker: WorkerKey, session: Session) -> int:
         """Drops a worker's registration and mappings and every lease of its instance. Returns the workers left."""
         with self._lock:
-            inst = self._instances.get(worker[0])
-            if inst is None or (worker[1], worker[2]) not in inst.workers:
-                raise NotFound(
-                    f"worker tp_rank {worker[1]} pp_rank {worker[2]} of instance {worker[0]!r} is not registered"
-                )
+            inst, _ = self._owned_worker(worker, session)
             return self._drop(inst, (worker[1], worker[2]))
 
     def _drop(self, inst: _Instance, key: tuple[int, int]) -> int:
+        w = inst.workers.pop(key)
+        w.session.workers.discard((inst.registry.instance_id, *key))
         inst.registry.remove(key)
-        del inst.workers[key]
         self.store.release_owner(inst.registry.instance_id)
         if not inst.workers:
             del self._instances[inst.registry.instance_id]
         return len(inst.workers)
 
-    def open_session(self, worker: WorkerKey) -> Callable[[], None]:
-        """Binds a liveness session to the worker's current registration. Returns the function to call when the
-        session ends: it drops that registration (not a newer one made after a reconnect)."""
+    def close_session(self, session: Session) -> None:
+        """The session ended (its connection closed): every worker it registered goes, with its instance's leases."""
         with self._lock:
-            inst, w = self._find_worker(worker)
-        key = (worker[1], worker[2])
-
-        def close() -> None:
-            with self._lock:
-                if inst.workers.get(key) is w:
-                    self._drop(inst, key)
-
-        return close
+            for instance_id, tp_rank, pp_rank in list(session.workers):
+                inst = self._instances.get(instance_id)
+                w = inst.workers.get((tp_rank, pp_rank)) if inst is not None else None
+                if inst is not None and w is not None and w.session is session:
+                    self._drop(inst, (tp_rank, pp_rank))
+            session.workers.clear()
 
     # ---------------------------------------------------------------- data path
 
-    def save(self, worker: WorkerKey, hashes: Sequence[bytes], block_ids: Sequence[int]) -> SaveResult:
+    def save(
+        self, worker: WorkerKey, hashes: Sequence[bytes], block_ids: Sequence[int], session: Session
+    ) -> SaveResult:
         hashes, block_ids = _check_blocks(hashes, block_ids)
         with self._lock:
-            inst, w = self._find_sealed_worker(worker)
+            inst, w = self._owned_worker(worker, session)
+            self._find_sealed(worker[0])
             _check_block_range(block_ids, w.num_blocks)
             sealed = inst.sealed
             assert sealed is not None and w.copier is not None
@@ -270,11 +318,17 @@ class Engine:
         )
 
     def load(
-        self, worker: WorkerKey, hashes: Sequence[bytes], block_ids: Sequence[int], lease_id: int = 0
+        self,
+        worker: WorkerKey,
+        hashes: Sequence[bytes],
+        block_ids: Sequence[int],
+        session: Session,
+        lease_id: int = 0,
     ) -> LoadResult:
         hashes, block_ids = _check_blocks(hashes, block_ids)
         with self._lock:
-            inst, w = self._find_sealed_worker(worker)
+            inst, w = self._owned_worker(worker, session)
+            self._find_sealed(worker[0])
             _check_block_range(block_ids, w.num_blocks)
             sealed = inst.sealed
             assert sealed is not None and w.copier is not None
@@ -298,25 +352,28 @@ class Engine:
                 self.counters.load_seconds += elapsed
         return LoadResult(plan.outcome, len(plan.pages), plan.reason, plan.message)
 
-    def query(self, instance_id: str, hashes: Sequence[bytes], lease_ttl_ms: int = 0) -> QueryResult:
+    def query(self, instance_id: str, hashes: Sequence[bytes], peer: Peer, lease_ttl_ms: int = 0) -> QueryResult:
+        """`lease_ttl_ms` (0: the engine's) is capped at the engine's --lease-ttl; the answer says what was granted."""
         hashes = _check_hashes(hashes)
-        if not 0 <= lease_ttl_ms <= MAX_LEASE_TTL_MS:
-            raise InvalidArgument(f"lease_ttl_ms must be in 0..{MAX_LEASE_TTL_MS}, got {lease_ttl_ms}")
+        if lease_ttl_ms < 0:
+            raise InvalidArgument(f"lease_ttl_ms must be >= 0, got {lease_ttl_ms}")
         with self._lock:
             inst = self._find_sealed(instance_id)
+            _check_access(inst, peer)
             sealed = inst.sealed
             assert sealed is not None
-            ttl_s = lease_ttl_ms / 1000 if lease_ttl_ms else self.store.lease_ttl_s
+            cap_s = self.store.lease_ttl_s
+            ttl_s = min(lease_ttl_ms / 1000, cap_s) if lease_ttl_ms else cap_s
             result = self.store.query(
                 inst.ns_id, sealed.layout, hashes, owner=instance_id, shares=len(inst.workers), ttl_s=ttl_s
             )
             return QueryResult(result.hits, result.lease_id, int(ttl_s * 1000), sealed.namespace_final)
 
-    def release(self, instance_id: str, lease_id: int) -> None:
+    def release(self, instance_id: str, lease_id: int, peer: Peer) -> None:
         if lease_id <= 0:
             raise InvalidArgument("lease_id must be a lease returned by Query (> 0)")
         with self._lock:
-            self._find_instance(instance_id)
+            _check_access(self._find_instance(instance_id), peer)
             self.store.release(lease_id, instance_id)
 
     def tick(self) -> None:
@@ -349,9 +406,13 @@ class Engine:
             )
         return inst, w
 
-    def _find_sealed_worker(self, worker: WorkerKey) -> tuple[_Instance, _Worker]:
+    def _owned_worker(self, worker: WorkerKey, session: Session) -> tuple[_Instance, _Worker]:
         inst, w = self._find_worker(worker)
-        self._find_sealed(worker[0])
+        if w.session is not session:
+            raise PermissionDenied(
+                f"worker tp_rank {worker[1]} pp_rank {worker[2]} of instance {worker[0]!r} belongs to another "
+                f"session (pid {w.session.peer.pid}): only the connection that registered it may use it"
+            )
         return inst, w
 
     # ---------------------------------------------------------------- views
@@ -421,6 +482,15 @@ class Engine:
                 instances=len(self._instances),
                 workers=sum(len(i.workers) for i in self._instances.values()),
             )
+
+
+def _same_user(peer: Peer) -> bool:
+    return peer.uid in (os.getuid(), 0)
+
+
+def _check_access(inst: _Instance, peer: Peer) -> None:
+    if not peer.privileged and peer.uid != inst.uid:
+        raise PermissionDenied(f"instance_id {inst.registry.instance_id!r} belongs to another user")
 
 
 def _check_hashes(hashes: Sequence[bytes]) -> list[bytes]:

@@ -1,20 +1,20 @@
-"""Host memory the engine touches: its own pre-faulted arena, and the workers' KV tensors mapped from shared memory
-(or CUDA IPC handles). Clients never touch the arena; the engine does every copy."""
+"""Host memory the engine touches: its own pre-faulted arena, and the workers' KV tensors mapped from the sealed
+memfds they handed over (or CUDA IPC handles). Clients never touch the arena; the engine does every copy."""
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import mmap
 import os
-import re
+import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvseal.errors import FailedPrecondition, InvalidArgument
-
-_PROC_FD_RE = re.compile(r"^/proc/(\d+)/fd/(\d+)$")
-_SHM_DIR = "/dev/shm/"
 
 
 class Arena:
@@ -35,7 +35,7 @@ class Arena:
 
 @dataclass(frozen=True, slots=True)
 class ShmSpec:
-    path: str
+    fd: int  # index into the descriptors that came with the registration
     offset: int
     size: int
 
@@ -55,43 +55,51 @@ class CudaSpec:
     offset: int
 
 
-def check_shm_path(where: str, path: str) -> None:
-    """Only shared-memory files may be mapped: the engine writes into what it maps."""
-    if "\x00" in path:
-        raise InvalidArgument(f"{where}.path {path!r} contains a NUL byte")
-    m = _PROC_FD_RE.match(path)
-    if m:
+TMPFS_MAGIC = 0x01021994  # memfds live on the kernel's internal tmpfs; hugetlbfs ones (SIGBUS-prone) do not
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _fs_type(fd: int) -> int:
+    buf = (ctypes.c_long * 16)()  # struct statfs: f_type is the first word
+    if _libc.fstatfs(fd, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int(buf[0])
+
+
+def check_memfd(where: str, fd: int, size: int) -> None:
+    """The engine maps only what cannot fail under it: a regular memfd on tmpfs, opened read-write, sealed against
+    shrinking (so no page it maps can disappear: no SIGBUS), at least `size` bytes long. The descriptor came from
+    the worker itself (SCM_RIGHTS), so it is memory the worker could open."""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or _fs_type(fd) != TMPFS_MAGIC:
+            raise InvalidArgument(f"{where}: the descriptor is not shared memory; hand over a memfd (kvseal.memfd)")
         try:
-            target = os.readlink(path)
-        except OSError as e:
-            raise FailedPrecondition(f"{where}.path {path!r} cannot be resolved: {e.strerror}") from None
-        if target.startswith(_SHM_DIR) or target.startswith("/memfd:"):
-            return
-        raise InvalidArgument(f"{where}.path {path!r} points to {target!r}, which is not a shared-memory file")
-    if os.path.realpath(path).startswith(_SHM_DIR) and "/../" not in path:
-        return
-    raise InvalidArgument(f"{where}.path {path!r} must be a file in /dev/shm or /proc/PID/fd/FD of one")
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0  # not a memfd
+        if not seals & fcntl.F_SEAL_SHRINK:
+            raise InvalidArgument(
+                f"{where}: the memory must be a memfd sealed with F_SEAL_SHRINK (kvseal.memfd does it), so it can "
+                "never shrink under the engine"
+            )
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+            raise InvalidArgument(f"{where}: the descriptor must be open read-write (the engine loads into it)")
+    except OSError as e:
+        raise InvalidArgument(f"{where}: the descriptor cannot be inspected: {e.strerror}") from None
+    if size == 0 or size > st.st_size:
+        raise InvalidArgument(f"{where}.size {size} must be in 1..{st.st_size} (the memfd's size)")
 
 
 class MappedFile:
-    """A worker's shared-memory file, mapped read-write. Unmapped when the last view of it is gone."""
+    """A worker's memfd, mapped read-write. Unmapped when the last view of it is gone."""
 
-    def __init__(self, where: str, path: str, size: int) -> None:
-        check_shm_path(where, path)
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as e:
-            raise FailedPrecondition(f"{where}.path {path!r} cannot be opened: {e.strerror}") from None
-        try:
-            file_size = os.fstat(fd).st_size
-            if size == 0 or size > file_size:
-                raise InvalidArgument(f"{where}.size {size} must be in 1..{file_size} (the file's size)")
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+    def __init__(self, where: str, fd: int, size: int) -> None:
+        check_memfd(where, fd, size)
+        self._map = mmap.mmap(fd, size)
         _populate(self._map)
         self.bytes = np.frombuffer(self._map, dtype=np.uint8)
-        self.path = path
         self.size = size
 
 
@@ -116,16 +124,22 @@ def layer_extent(num_blocks: int, segments: int, segment_bytes: int, strides: tu
     return extent
 
 
-def map_layer_memory(where: str, memory: Any, extent: int, cache: dict[tuple[str, int], MappedFile]) -> MappedFile:
-    """Maps (or reuses, for layers that share one allocation) the file behind a layer and checks its bounds."""
+def map_layer_memory(
+    where: str, memory: Any, extent: int, fds: Sequence[int], cache: dict[tuple[int, int], MappedFile]
+) -> MappedFile:
+    """Maps (or reuses, for layers that share one allocation) the memfd behind a layer and checks its bounds."""
     if isinstance(memory, CudaSpec):
         raise FailedPrecondition(f"{where}: CUDA memory must be mapped with map_cuda_storage")
     if not isinstance(memory, ShmSpec):
         raise InvalidArgument(f"{where} must be set (shm or cuda)")
-    key = (memory.path, memory.size)
+    if memory.fd >= len(fds):
+        raise InvalidArgument(
+            f"{where}.shm.fd {memory.fd}: the registration carried {len(fds)} file descriptor(s) (SCM_RIGHTS)"
+        )
+    key = (memory.fd, memory.size)
     mapped = cache.get(key)
     if mapped is None:
-        mapped = cache[key] = MappedFile(f"{where}.shm", memory.path, memory.size)
+        mapped = cache[key] = MappedFile(f"{where}.shm", fds[memory.fd], memory.size)
     if memory.offset + extent > memory.size:
         raise InvalidArgument(
             f"{where}.shm.offset {memory.offset} + layer extent {extent} exceeds size {memory.size}: "

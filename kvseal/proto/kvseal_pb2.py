@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvseal/proto/kvseal.proto\x12\tkvseal.v1\"7\n\tShmHandle\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\"\xd8\x01\n\rCudaIpcHandle\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x14\n\x0cstorage_size\x18\x03 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x0e\n\x06offset\x18\t \x01(\x04\"e\n\x0cMemoryHandle\x12#\n\x03shm\x18\x01 \x01(\x0b\x32\x14.kvseal.v1.ShmHandleH\x00\x12(\n\x04\x63uda\x18\x02 \x01(\x0b\x32\x18.kvseal.v1.CudaIpcHandleH\x00\x42\x06\n\x04kind\"\xc5\x01\n\tLayerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x15\n\rsegment_bytes\x18\x03 \x01(\x04\x12\x10\n\x08segments\x18\x04 \x01(\r\x12\x10\n\x08group_id\x18\x05 \x01(\r\x12\x12\n\nlayout_tag\x18\x06 \x01(\t\x12\x12\n\nnum_blocks\x18\x07 \x01(\x04\x12\x0f\n\x07strides\x18\x08 \x03(\x04\x12\'\n\x06memory\x18\t \x01(\x0b\x32\x17.kvseal.v1.MemoryHandle\"A\n\x08WorkerId\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\"\xae\x01\n\x0eInstanceStatus\x12\x0e\n\x06sealed\x18\x01 \x01(\x08\x12\x12\n\nregistered\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x17\n\x0fnamespace_final\x18\x04 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x0e\n\x06\x64igest\x18\x06 \x01(\t\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x12\n\npage_bytes\x18\x08 \x01(\x04\"\xba\x01\n\x0fRegisterRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07pp_rank\x18\x05 \x01(\r\x12\x12\n\nworld_size\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12$\n\x06layers\x18\x08 \x03(\x0b\x32\x14.kvseal.v1.LayerSpec\"=\n\x10RegisterResponse\x12)\n\x06status\x18\x01 \x01(\x0b\x32\x19.kvseal.v1.InstanceStatus\"[\n\x0bSaveRequest\x12#\n\x06worker\x18\x01 \x01(\x0b\x32\x13.kvseal.v1.WorkerId\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x11\n\tblock_ids\x18\x03 \x03(\x04\"p\n\x0cSaveResponse\x12\x0f\n\x07written\x18\x01 \x01(\r\x12\x0f\n\x07skipped\x18\x02 \x01(\r\x12\x12\n\nnot_stored\x18\x03 \x01(\r\x12\x11\n\tcompleted\x18\x04 \x01(\r\x12\x17\n\x0fnamespace_final\x18\x05 \x01(\t\"c\n\x0cQueryRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\"o\n\rQueryResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x0f\n\x07loading\x18\x03 \x01(\x08\x12\x17\n\x0fnamespace_final\x18\x04 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x05 \x01(\r\"m\n\x0bLoadRequest\x12#\n\x06worker\x18\x01 \x01(\x0b\x32\x13.kvseal.v1.WorkerId\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x11\n\tblock_ids\x18\x03 \x03(\x04\x12\x10\n\x08lease_id\x18\x04 \x01(\x04\"\xbb\x01\n\x0cLoadResponse\x12\x30\n\x07outcome\x18\x01 \x01(\x0e\x32\x1f.kvseal.v1.LoadResponse.Outcome\x12\x0e\n\x06loaded\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"H\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\n\n\x06LOADED\x10\x01\x12\x0b\n\x07MISSING\x10\x02\x12\x0b\n\x07REFUSED\x10\x03\"7\n\x0eReleaseRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\"\x11\n\x0fReleaseResponse\"8\n\x11UnregisterRequest\x12#\n\x06worker\x18\x01 \x01(\x0b\x32\x13.kvseal.v1.WorkerId\"/\n\x12UnregisterResponse\x12\x19\n\x11remaining_workers\x18\x01 \x01(\r\"5\n\x0eSessionRequest\x12#\n\x06worker\x18\x01 \x01(\x0b\x32\x13.kvseal.v1.WorkerId\"9\n\x0cSessionEvent\x12)\n\x06status\x18\x01 \x01(\x0b\x32\x19.kvseal.v1.InstanceStatus\"\r\n\x0bInfoRequest\"H\n\x0cInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x12\n\npool_bytes\x18\x02 \x01(\x04\x12\x13\n\x0blane_socket\x18\x03 \x01(\t2\x82\x04\n\x06\x45ngine\x12\x37\n\x04Info\x12\x16.kvseal.v1.InfoRequest\x1a\x17.kvseal.v1.InfoResponse\x12\x43\n\x08Register\x12\x1a.kvseal.v1.RegisterRequest\x1a\x1b.kvseal.v1.RegisterResponse\x12\x37\n\x04Save\x12\x16.kvseal.v1.SaveRequest\x1a\x17.kvseal.v1.SaveResponse\x12\x37\n\x04Load\x12\x16.kvseal.v1.LoadRequest\x1a\x17.kvseal.v1.LoadResponse\x12:\n\x05Query\x12\x17.kvseal.v1.QueryRequest\x1a\x18.kvseal.v1.QueryResponse\x12@\n\x07Release\x12\x19.kvseal.v1.ReleaseRequest\x1a\x1a.kvseal.v1.ReleaseResponse\x12I\n\nUnregister\x12\x1c.kvseal.v1.UnregisterRequest\x1a\x1d.kvseal.v1.UnregisterResponse\x12?\n\x07Session\x12\x19.kvseal.v1.SessionRequest\x1a\x17.kvseal.v1.SessionEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvseal/proto/kvseal.proto\x12\tkvseal.v1\"A\n\tShmHandle\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\n\n\x02\x66\x64\x18\x04 \x01(\rJ\x04\x08\x01\x10\x02R\x04path\"\xd8\x01\n\rCudaIpcHandle\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x14\n\x0cstorage_size\x18\x03 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x0e\n\x06offset\x18\t \x01(\x04\"e\n\x0cMemoryHandle\x12#\n\x03shm\x18\x01 \x01(\x0b\x32\x14.kvseal.v1.ShmHandleH\x00\x12(\n\x04\x63uda\x18\x02 \x01(\x0b\x32\x18.kvseal.v1.CudaIpcHandleH\x00\x42\x06\n\x04kind\"\xc5\x01\n\tLayerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x15\n\rsegment_bytes\x18\x03 \x01(\x04\x12\x10\n\x08segments\x18\x04 \x01(\r\x12\x10\n\x08group_id\x18\x05 \x01(\r\x12\x12\n\nlayout_tag\x18\x06 \x01(\t\x12\x12\n\nnum_blocks\x18\x07 \x01(\x04\x12\x0f\n\x07strides\x18\x08 \x03(\x04\x12\'\n\x06memory\x18\t \x01(\x0b\x32\x17.kvseal.v1.MemoryHandle\"A\n\x08WorkerId\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07pp_rank\x18\x03 \x01(\r\"\xae\x01\n\x0eInstanceStatus\x12\x0e\n\x06sealed\x18\x01 \x01(\x08\x12\x12\n\nregistered\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x17\n\x0fnamespace_final\x18\x04 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x0e\n\x06\x64igest\x18\x06 \x01(\t\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x12\n\npage_bytes\x18\x08 \x01(\x04\"\xba\x01\n\x0fRegisterRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07pp_rank\x18\x05 \x01(\r\x12\x12\n\nworld_size\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12$\n\x06layers\x18\x08 \x03(\x0b\x32\x14.kvseal.v1.LayerSpec\"p\n\x0cSaveResponse\x12\x0f\n\x07written\x18\x01 \x01(\r\x12\x0f\n\x07skipped\x18\x02 \x01(\r\x12\x12\n\nnot_stored\x18\x03 \x01(\r\x12\x11\n\tcompleted\x18\x04 \x01(\r\x12\x17\n\x0fnamespace_final\x18\x05 \x01(\t\"c\n\x0cQueryRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\"o\n\rQueryResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\x0f\n\x07loading\x18\x03 \x01(\x08\x12\x17\n\x0fnamespace_final\x18\x04 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x05 \x01(\r\"\xbb\x01\n\x0cLoadResponse\x12\x30\n\x07outcome\x18\x01 \x01(\x0e\x32\x1f.kvseal.v1.LoadResponse.Outcome\x12\x0e\n\x06loaded\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"H\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\n\n\x06LOADED\x10\x01\x12\x0b\n\x07MISSING\x10\x02\x12\x0b\n\x07REFUSED\x10\x03\"7\n\x0eReleaseRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\"\x11\n\x0fReleaseResponse\"\r\n\x0bInfoRequest\"H\n\x0cInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x12\n\npool_bytes\x18\x02 \x01(\x04\x12\x13\n\x0blane_socket\x18\x03 \x01(\t2\xbf\x01\n\x06\x45ngine\x12\x37\n\x04Info\x12\x16.kvseal.v1.InfoRequest\x1a\x17.kvseal.v1.InfoResponse\x12:\n\x05Query\x12\x17.kvseal.v1.QueryRequest\x1a\x18.kvseal.v1.QueryResponse\x12@\n\x07Release\x12\x19.kvseal.v1.ReleaseRequest\x1a\x1a.kvseal.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,51 +32,37 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvseal.proto.kvseal_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SHMHANDLE']._serialized_start=40
-  _globals['_SHMHANDLE']._serialized_end=95
-  _globals['_CUDAIPCHANDLE']._serialized_start=98
-  _globals['_CUDAIPCHANDLE']._serialized_end=314
-  _globals['_MEMORYHANDLE']._serialized_start=316
-  _globals['_MEMORYHANDLE']._serialized_end=417
-  _globals['_LAYERSPEC']._serialized_start=420
-  _globals['_LAYERSPEC']._serialized_end=617
-  _globals['_WORKERID']._serialized_start=619
-  _globals['_WORKERID']._serialized_end=684
-  _globals['_INSTANCESTATUS']._serialized_start=687
-  _globals['_INSTANCESTATUS']._serialized_end=861
-  _globals['_REGISTERREQUEST']._serialized_start=864
-  _globals['_REGISTERREQUEST']._serialized_end=1050
-  _globals['_REGISTERRESPONSE']._serialized_start=1052
-  _globals['_REGISTERRESPONSE']._serialized_end=1113
-  _globals['_SAVEREQUEST']._serialized_start=1115
-  _globals['_SAVEREQUEST']._serialized_end=1206
-  _globals['_SAVERESPONSE']._serialized_start=1208
-  _globals['_SAVERESPONSE']._serialized_end=1320
-  _globals['_QUERYREQUEST']._serialized_start=1322
-  _globals['_QUERYREQUEST']._serialized_end=1421
-  _globals['_QUERYRESPONSE']._serialized_start=1423
-  _globals['_QUERYRESPONSE']._serialized_end=1534
-  _globals['_LOADREQUEST']._serialized_start=1536
-  _globals['_LOADREQUEST']._serialized_end=1645
-  _globals['_LOADRESPONSE']._serialized_start=1648
-  _globals['_LOADRESPONSE']._serialized_end=1835
-  _globals['_LOADRESPONSE_OUTCOME']._serialized_start=1763
-  _globals['_LOADRESPONSE_OUTCOME']._serialized_end=1835
-  _globals['_RELEASEREQUEST']._serialized_start=1837
-  _globals['_RELEASEREQUEST']._serialized_end=1892
-  _globals['_RELEASERESPONSE']._serialized_start=1894
-  _globals['_RELEASERESPONSE']._serialized_end=1911
-  _globals['_UNREGISTERREQUEST']._serialized_start=1913
-  _globals['_UNREGISTERREQUEST']._serialized_end=1969
-  _globals['_UNREGISTERRESPONSE']._serialized_start=1971
-  _globals['_UNREGISTERRESPONSE']._serialized_end=2018
-  _globals['_SESSIONREQUEST']._serialized_start=2020
-  _globals['_SESSIONREQUEST']._serialized_end=2073
-  _globals['_SESSIONEVENT']._serialized_start=2075
-  _globals['_SESSIONEVENT']._serialized_end=2132
-  _globals['_INFOREQUEST']._serialized_start=2134
-  _globals['_INFOREQUEST']._serialized_end=2147
-  _globals['_INFORESPONSE']._serialized_start=2149
-  _globals['_INFORESPONSE']._serialized_end=2221
-  _globals['_ENGINE']._serialized_start=2224
-  _globals['_ENGINE']._serialized_end=2738
+  _globals['_SHMHANDLE']._serialized_end=105
+  _globals['_CUDAIPCHANDLE']._serialized_start=108
+  _globals['_CUDAIPCHANDLE']._serialized_end=324
+  _globals['_MEMORYHANDLE']._serialized_start=326
+  _globals['_MEMORYHANDLE']._serialized_end=427
+  _globals['_LAYERSPEC']._serialized_start=430
+  _globals['_LAYERSPEC']._serialized_end=627
+  _globals['_WORKERID']._serialized_start=629
+  _globals['_WORKERID']._serialized_end=694
+  _globals['_INSTANCESTATUS']._serialized_start=697
+  _globals['_INSTANCESTATUS']._serialized_end=871
+  _globals['_REGISTERREQUEST']._serialized_start=874
+  _globals['_REGISTERREQUEST']._serialized_end=1060
+  _globals['_SAVERESPONSE']._serialized_start=1062
+  _globals['_SAVERESPONSE']._serialized_end=1174
+  _globals['_QUERYREQUEST']._serialized_start=1176
+  _globals['_QUERYREQUEST']._serialized_end=1275
+  _globals['_QUERYRESPONSE']._serialized_start=1277
+  _globals['_QUERYRESPONSE']._serialized_end=1388
+  _globals['_LOADRESPONSE']._serialized_start=1391
+  _globals['_LOADRESPONSE']._serialized_end=1578
+  _globals['_LOADRESPONSE_OUTCOME']._serialized_start=1506
+  _globals['_LOADRESPONSE_OUTCOME']._serialized_end=1578
+  _globals['_RELEASEREQUEST']._serialized_start=1580
+  _globals['_RELEASEREQUEST']._serialized_end=1635
+  _globals['_RELEASERESPONSE']._serialized_start=1637
+  _globals['_RELEASERESPONSE']._serialized_end=1654
+  _globals['_INFOREQUEST']._serialized_start=1656
+  _globals['_INFOREQUEST']._serialized_end=1669
+  _globals['_INFORESPONSE']._serialized_start=1671
+  _globals['_INFORESPONSE']._serialized_end=1743
+  _globals['_ENGINE']._serialized_start=1746
+  _globals['_ENGINE']._serialized_end=1937
 # @@protoc_insertion_point(module_scope)

@@ -8,14 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ShmHandle(_message.Message):
-    __slots__ = ("path", "offset", "size")
-    PATH_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("offset", "size", "fd")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
-    path: str
+    FD_FIELD_NUMBER: _ClassVar[int]
     offset: int
     size: int
-    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+    fd: int
+    def __init__(self, offset: _Optional[int] = ..., size: _Optional[int] = ..., fd: _Optional[int] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("device", "handle", "storage_size", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "offset")
@@ -119,22 +119,6 @@ class RegisterRequest(_message.Message):
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
     def __init__(self, instance_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ...) -> None: ...
 
-class RegisterResponse(_message.Message):
-    __slots__ = ("status",)
-    STATUS_FIELD_NUMBER: _ClassVar[int]
-    status: InstanceStatus
-    def __init__(self, status: _Optional[_Union[InstanceStatus, _Mapping]] = ...) -> None: ...
-
-class SaveRequest(_message.Message):
-    __slots__ = ("worker", "block_hashes", "block_ids")
-    WORKER_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    worker: WorkerId
-    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
-
 class SaveResponse(_message.Message):
     __slots__ = ("written", "skipped", "not_stored", "completed", "namespace_final")
     WRITTEN_FIELD_NUMBER: _ClassVar[int]
@@ -175,18 +159,6 @@ class QueryResponse(_message.Message):
     lease_ttl_ms: int
     def __init__(self, hits: _Optional[int] = ..., lease_id: _Optional[int] = ..., loading: _Optional[bool] = ..., namespace_final: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
-class LoadRequest(_message.Message):
-    __slots__ = ("worker", "block_hashes", "block_ids", "lease_id")
-    WORKER_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
-    worker: WorkerId
-    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    lease_id: int
-    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ...) -> None: ...
-
 class LoadResponse(_message.Message):
     __slots__ = ("outcome", "loaded", "reason", "message")
     class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -220,30 +192,6 @@ class ReleaseRequest(_message.Message):
 class ReleaseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
-
-class UnregisterRequest(_message.Message):
-    __slots__ = ("worker",)
-    WORKER_FIELD_NUMBER: _ClassVar[int]
-    worker: WorkerId
-    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ...) -> None: ...
-
-class UnregisterResponse(_message.Message):
-    __slots__ = ("remaining_workers",)
-    REMAINING_WORKERS_FIELD_NUMBER: _ClassVar[int]
-    remaining_workers: int
-    def __init__(self, remaining_workers: _Optional[int] = ...) -> None: ...
-
-class SessionRequest(_message.Message):
-    __slots__ = ("worker",)
-    WORKER_FIELD_NUMBER: _ClassVar[int]
-    worker: WorkerId
-    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ...) -> None: ...
-
-class SessionEvent(_message.Message):
-    __slots__ = ("status",)
-    STATUS_FIELD_NUMBER: _ClassVar[int]
-    status: InstanceStatus
-    def __init__(self, status: _Optional[_Union[InstanceStatus, _Mapping]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

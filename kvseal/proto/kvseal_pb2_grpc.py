@@ -26,7 +26,11 @@ if _version_not_supported:
 
 
 class EngineStub:
-    """Missing associated documentation comment in .proto file."""
+    """Workers register, save, load and unregister over the local lane (kvseal.lane): their memory travels there as
+    file descriptors, the lane connection is their session, and the engine knows the peer's uid (SO_PEERCRED).
+    RegisterRequest is the body of the lane's REGISTER frame, InstanceStatus its answer. gRPC serves discovery
+    (Info names the lane's socket), queries and releases.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -39,21 +43,6 @@ class EngineStub:
                 request_serializer=kvseal_dot_proto_dot_kvseal__pb2.InfoRequest.SerializeToString,
                 response_deserializer=kvseal_dot_proto_dot_kvseal__pb2.InfoResponse.FromString,
                 _registered_method=True)
-        self.Register = channel.unary_unary(
-                '/kvseal.v1.Engine/Register',
-                request_serializer=kvseal_dot_proto_dot_kvseal__pb2.RegisterRequest.SerializeToString,
-                response_deserializer=kvseal_dot_proto_dot_kvseal__pb2.RegisterResponse.FromString,
-                _registered_method=True)
-        self.Save = channel.unary_unary(
-                '/kvseal.v1.Engine/Save',
-                request_serializer=kvseal_dot_proto_dot_kvseal__pb2.SaveRequest.SerializeToString,
-                response_deserializer=kvseal_dot_proto_dot_kvseal__pb2.SaveResponse.FromString,
-                _registered_method=True)
-        self.Load = channel.unary_unary(
-                '/kvseal.v1.Engine/Load',
-                request_serializer=kvseal_dot_proto_dot_kvseal__pb2.LoadRequest.SerializeToString,
-                response_deserializer=kvseal_dot_proto_dot_kvseal__pb2.LoadResponse.FromString,
-                _registered_method=True)
         self.Query = channel.unary_unary(
                 '/kvseal.v1.Engine/Query',
                 request_serializer=kvseal_dot_proto_dot_kvseal__pb2.QueryRequest.SerializeToString,
@@ -64,40 +53,16 @@ class EngineStub:
                 request_serializer=kvseal_dot_proto_dot_kvseal__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvseal_dot_proto_dot_kvseal__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
-        self.Unregister = channel.unary_unary(
-                '/kvseal.v1.Engine/Unregister',
-                request_serializer=kvseal_dot_proto_dot_kvseal__pb2.UnregisterRequest.SerializeToString,
-                response_deserializer=kvseal_dot_proto_dot_kvseal__pb2.UnregisterResponse.FromString,
-                _registered_method=True)
-        self.Session = channel.unary_stream(
-                '/kvseal.v1.Engine/Session',
-                request_serializer=kvseal_dot_proto_dot_kvseal__pb2.SessionRequest.SerializeToString,
-                response_deserializer=kvseal_dot_proto_dot_kvseal__pb2.SessionEvent.FromString,
-                _registered_method=True)
 
 
 class EngineServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Workers register, save, load and unregister over the local lane (kvseal.lane): their memory travels there as
+    file descriptors, the lane connection is their session, and the engine knows the peer's uid (SO_PEERCRED).
+    RegisterRequest is the body of the lane's REGISTER frame, InstanceStatus its answer. gRPC serves discovery
+    (Info names the lane's socket), queries and releases.
+    """
 
     def Info(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Register(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Save(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Load(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -115,20 +80,6 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Unregister(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Session(self, request, context):
-        """Liveness of one worker: the engine keeps the stream open; when it closes, the worker's mappings and its
-        instance's leases are dropped.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -136,21 +87,6 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=kvseal_dot_proto_dot_kvseal__pb2.InfoRequest.FromString,
                     response_serializer=kvseal_dot_proto_dot_kvseal__pb2.InfoResponse.SerializeToString,
-            ),
-            'Register': grpc.unary_unary_rpc_method_handler(
-                    servicer.Register,
-                    request_deserializer=kvseal_dot_proto_dot_kvseal__pb2.RegisterRequest.FromString,
-                    response_serializer=kvseal_dot_proto_dot_kvseal__pb2.RegisterResponse.SerializeToString,
-            ),
-            'Save': grpc.unary_unary_rpc_method_handler(
-                    servicer.Save,
-                    request_deserializer=kvseal_dot_proto_dot_kvseal__pb2.SaveRequest.FromString,
-                    response_serializer=kvseal_dot_proto_dot_kvseal__pb2.SaveResponse.SerializeToString,
-            ),
-            'Load': grpc.unary_unary_rpc_method_handler(
-                    servicer.Load,
-                    request_deserializer=kvseal_dot_proto_dot_kvseal__pb2.LoadRequest.FromString,
-                    response_serializer=kvseal_dot_proto_dot_kvseal__pb2.LoadResponse.SerializeToString,
             ),
             'Query': grpc.unary_unary_rpc_method_handler(
                     servicer.Query,
@@ -162,16 +98,6 @@ def add_EngineServicer_to_server(servicer, server):
                     request_deserializer=kvseal_dot_proto_dot_kvseal__pb2.ReleaseRequest.FromString,
                     response_serializer=kvseal_dot_proto_dot_kvseal__pb2.ReleaseResponse.SerializeToString,
             ),
-            'Unregister': grpc.unary_unary_rpc_method_handler(
-                    servicer.Unregister,
-                    request_deserializer=kvseal_dot_proto_dot_kvseal__pb2.UnregisterRequest.FromString,
-                    response_serializer=kvseal_dot_proto_dot_kvseal__pb2.UnregisterResponse.SerializeToString,
-            ),
-            'Session': grpc.unary_stream_rpc_method_handler(
-                    servicer.Session,
-                    request_deserializer=kvseal_dot_proto_dot_kvseal__pb2.SessionRequest.FromString,
-                    response_serializer=kvseal_dot_proto_dot_kvseal__pb2.SessionEvent.SerializeToString,
-            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'kvseal.v1.Engine', rpc_method_handlers)
@@ -181,7 +107,11 @@ def add_EngineServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Engine:
-    """Missing associated documentation comment in .proto file."""
+    """Workers register, save, load and unregister over the local lane (kvseal.lane): their memory travels there as
+    file descriptors, the lane connection is their session, and the engine knows the peer's uid (SO_PEERCRED).
+    RegisterRequest is the body of the lane's REGISTER frame, InstanceStatus its answer. gRPC serves discovery
+    (Info names the lane's socket), queries and releases.
+    """
 
     @staticmethod
     def Info(request,
@@ -200,87 +130,6 @@ class Engine:
             '/kvseal.v1.Engine/Info',
             kvseal_dot_proto_dot_kvseal__pb2.InfoRequest.SerializeToString,
             kvseal_dot_proto_dot_kvseal__pb2.InfoResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Register(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvseal.v1.Engine/Register',
-            kvseal_dot_proto_dot_kvseal__pb2.RegisterRequest.SerializeToString,
-            kvseal_dot_proto_dot_kvseal__pb2.RegisterResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Save(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvseal.v1.Engine/Save',
-            kvseal_dot_proto_dot_kvseal__pb2.SaveRequest.SerializeToString,
-            kvseal_dot_proto_dot_kvseal__pb2.SaveResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Load(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvseal.v1.Engine/Load',
-            kvseal_dot_proto_dot_kvseal__pb2.LoadRequest.SerializeToString,
-            kvseal_dot_proto_dot_kvseal__pb2.LoadResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -335,60 +184,6 @@ class Engine:
             '/kvseal.v1.Engine/Release',
             kvseal_dot_proto_dot_kvseal__pb2.ReleaseRequest.SerializeToString,
             kvseal_dot_proto_dot_kvseal__pb2.ReleaseResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Unregister(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvseal.v1.Engine/Unregister',
-            kvseal_dot_proto_dot_kvseal__pb2.UnregisterRequest.SerializeToString,
-            kvseal_dot_proto_dot_kvseal__pb2.UnregisterResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Session(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/kvseal.v1.Engine/Session',
-            kvseal_dot_proto_dot_kvseal__pb2.SessionRequest.SerializeToString,
-            kvseal_dot_proto_dot_kvseal__pb2.SessionEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import resource
 import tempfile
 import threading
 from concurrent import futures
@@ -22,7 +23,7 @@ from kvseal.server.metrics import Metrics
 from kvseal.server.service import EngineService
 
 log = logging.getLogger("kvseal.server")
-MAX_MESSAGE_BYTES = 64 << 20
+MAX_MESSAGE_BYTES = 16 << 20  # the largest valid Query (131072 hashes of 64 bytes) is ~9 MiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,9 @@ class ServeConfig:
     max_workers: int = 128
     prefault: bool = True
     lane_socket: str = "auto"  # unix socket path of the local lane; "auto" derives one, "" turns it off
+    lane_group: str | None = None  # the lane socket becomes 0660 with this group: other local users may connect
+    lane_max_connections: int = 4096
+    lane_idle_timeout_s: float = 60.0
 
 
 def is_loopback(address: str) -> bool:
@@ -54,6 +58,8 @@ def is_loopback(address: str) -> bool:
 
 
 def check_config(cfg: ServeConfig) -> None:
+    if not cfg.lane_socket:
+        raise SystemExit("--lane-socket cannot be off: workers register, save and load over the local lane")
     remote = [a for a in (cfg.listen, cfg.http_listen) if a and not is_loopback(a)]
     if remote and not cfg.allow_remote:
         raise SystemExit(
@@ -93,7 +99,9 @@ class EngineServer:
             inflight_timeout_s=cfg.inflight_timeout_s,
         )
         self.metrics = Metrics(self.engine)
-        self.service = EngineService(self.engine, self.metrics)
+        self.service = EngineService(
+            self.engine, self.metrics, token=cfg.token is not None, unix=cfg.listen.startswith("unix:")
+        )
         interceptors = [_TokenInterceptor(cfg.token)] if cfg.token else []
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="kvseal-rpc"),
@@ -114,6 +122,7 @@ class EngineServer:
         self.port = 0
 
     def start(self) -> None:
+        _raise_fd_limit()
         listen = self.cfg.listen
         old_umask = os.umask(0o177) if listen.startswith("unix:") else None
         try:
@@ -125,6 +134,7 @@ class EngineServer:
                 os.umask(old_umask)
         if self.port == 0 and not listen.startswith("unix:"):
             raise SystemExit(f"cannot listen on {listen!r}: address in use or invalid")
+        self.service.port = self.port
         self._grpc.start()
         if listen.startswith("unix:"):
             os.chmod(listen.removeprefix("unix:").removeprefix("//"), 0o600)
@@ -144,7 +154,15 @@ class EngineServer:
                     if listen.startswith("unix:")
                     else os.path.join(tempfile.gettempdir(), f"kvseal-{self.port}.lane.sock")
                 )
-            self._lane = LaneServer(path, self.engine, self.metrics)
+            self._lane = LaneServer(
+                path,
+                self.engine,
+                self.metrics,
+                token=self.cfg.token,
+                group=self.cfg.lane_group,
+                max_connections=self.cfg.lane_max_connections,
+                idle_timeout_s=self.cfg.lane_idle_timeout_s,
+            )
             self._lane.start()
             self.service.lane_socket = path
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -158,6 +176,8 @@ class EngineServer:
     def _tick(self) -> None:
         while not self._stop.wait(1.0):
             self.engine.tick()
+            if self._lane:
+                self._lane.sweep()
 
     def wait(self) -> None:
         """Blocks until request_stop() (the CLI's SIGTERM/SIGINT handler) is called."""
@@ -169,9 +189,19 @@ class EngineServer:
     def stop(self, grace: float = 1.0) -> None:
         self._stop.set()
         self._health.enter_graceful_shutdown()
-        self.service.close()
         self._grpc.stop(grace).wait()
         if self._lane:
             self._lane.stop()
         if self._http:
             self._http.stop()
+
+
+def _raise_fd_limit() -> None:
+    """Every lane session holds a descriptor and every mapped memfd one more: take the hard limit (default soft
+    limits are often 1024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            log.warning("cannot raise the open-file limit from %d to %d", soft, hard)

@@ -1,23 +1,22 @@
-"""The gRPC service: decode, call the engine, encode. Errors become gRPC statuses here and nowhere else."""
+"""The gRPC service: decode, call the engine, encode. kvseal errors become gRPC statuses here (the lane answers
+with the same status codes, kvseal.lane)."""
 
 from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import grpc
 
 from kvseal import __version__
-from kvseal.core.layout import LayerGeometry, LayerRegistration, WorkerRegistration, normalize_dtype
-from kvseal.engine.engine import Engine, InstanceStatus, WorkerKey
-from kvseal.engine.memory import CudaSpec, ShmSpec
-from kvseal.errors import InvalidArgument, KvsealError
+from kvseal.engine.engine import Engine, Peer
+from kvseal.errors import InvalidArgument, KvsealError, PermissionDenied
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
+from kvseal.server import peers
 from kvseal.server.metrics import Metrics
 
 log = logging.getLogger("kvseal.server")
@@ -48,18 +47,28 @@ def _rpc(method: F) -> F:
 
 
 class EngineService(pb_grpc.EngineServicer):
-    def __init__(self, engine: Engine, metrics: Metrics) -> None:
+    """Info, Query and Release. Who may call: with a token, its holders (checked by the server's interceptor);
+    without one, on a unix socket (mode 0600) the engine's user, and over loopback TCP the engine's user and root,
+    identified from the kernel's socket table. Info is open: it names the lane, where the kernel names every peer."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, *, token: bool = False, unix: bool = False) -> None:
         self.engine = engine
         self.metrics = metrics
         self.lane_socket = ""  # set by the server once the local lane listens
-        self._sessions: set[threading.Event] = set()
-        self._sessions_lock = threading.Lock()
+        self.port = 0  # set by the server once it listens on TCP
+        self._trusted = token or unix
 
-    def close(self) -> None:
-        """Ends every open Session stream (server shutdown)."""
-        with self._sessions_lock:
-            for ended in self._sessions:
-                ended.set()
+    def _peer(self, context: grpc.ServicerContext) -> Peer:
+        if self._trusted:
+            return Peer(uid=None, privileged=True)
+        address = peers.parse_grpc_peer(context.peer())
+        uid = peers.tcp_peer_uid(address[0], address[1], self.port) if address else None
+        if not peers.local_uid_allowed(uid):
+            raise PermissionDenied(
+                f"tokenless TCP serves only the engine's user and root (this peer: uid {uid}): workers use the local "
+                "lane (its socket is in Info), other clients the token (kvseal serve --token)"
+            )
+        return Peer(uid=uid, privileged=True)
 
     @_rpc
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
@@ -68,33 +77,10 @@ class EngineService(pb_grpc.EngineServicer):
         )
 
     @_rpc
-    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterResponse:
-        status = self.engine.register(decode_registration(request))
-        if status.sealed and status.registered == status.world_size:
-            log.info("instance %s sealed: %s", status.instance_id, status.namespace_final)
-        return pb.RegisterResponse(status=encode_status(status))
-
-    @_rpc
-    def Save(self, request: pb.SaveRequest, context: grpc.ServicerContext) -> pb.SaveResponse:
-        r = self.engine.save(_worker(request), request.block_hashes, request.block_ids)
-        return pb.SaveResponse(
-            written=r.written,
-            skipped=r.skipped,
-            not_stored=r.not_stored,
-            completed=r.completed,
-            namespace_final=r.namespace_final,
-        )
-
-    @_rpc
-    def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadResponse:
-        r = self.engine.load(_worker(request), request.block_hashes, request.block_ids, request.lease_id)
-        return pb.LoadResponse(outcome=_OUTCOMES[r.outcome], loaded=r.loaded, reason=r.reason, message=r.message)
-
-    @_rpc
     def Query(self, request: pb.QueryRequest, context: grpc.ServicerContext) -> pb.QueryResponse:
         if len(request.request_id) > 256:
             raise InvalidArgument("request_id must be at most 256 characters")
-        r = self.engine.query(request.instance_id, request.block_hashes, request.lease_ttl_ms)
+        r = self.engine.query(request.instance_id, request.block_hashes, self._peer(context), request.lease_ttl_ms)
         return pb.QueryResponse(
             hits=r.hits,
             lease_id=r.lease_id,
@@ -105,108 +91,5 @@ class EngineService(pb_grpc.EngineServicer):
 
     @_rpc
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
-        self.engine.release(request.instance_id, request.lease_id)
+        self.engine.release(request.instance_id, request.lease_id, self._peer(context))
         return pb.ReleaseResponse()
-
-    @_rpc
-    def Unregister(self, request: pb.UnregisterRequest, context: grpc.ServicerContext) -> pb.UnregisterResponse:
-        return pb.UnregisterResponse(remaining_workers=self.engine.unregister(_worker(request)))
-
-    def Session(self, request: pb.SessionRequest, context: grpc.ServicerContext) -> Iterator[pb.SessionEvent]:
-        try:
-            worker = _worker(request)
-            close = self.engine.open_session(worker)
-            status = self.engine.status(worker[0])
-        except KvsealError as e:
-            context.abort(getattr(grpc.StatusCode, e.status), str(e))
-        ended = threading.Event()
-        context.add_callback(ended.set)  # runs when the client goes away (cancel, crash, closed channel)
-        with self._sessions_lock:
-            self._sessions.add(ended)
-        try:
-            yield pb.SessionEvent(status=encode_status(status))
-            ended.wait()
-        finally:
-            with self._sessions_lock:
-                self._sessions.discard(ended)
-            close()
-            log.info("session of %s tp_rank %d pp_rank %d ended", *worker)
-
-
-_OUTCOMES = {
-    "loaded": pb.LoadResponse.LOADED,
-    "missing": pb.LoadResponse.MISSING,
-    "refused": pb.LoadResponse.REFUSED,
-}
-
-
-def _worker(request: Any) -> WorkerKey:
-    if not request.HasField("worker"):
-        raise InvalidArgument("worker must be set (instance_id, tp_rank, pp_rank)")
-    w = request.worker
-    if not w.instance_id:
-        raise InvalidArgument("worker.instance_id must not be empty")
-    return (w.instance_id, w.tp_rank, w.pp_rank)
-
-
-def decode_registration(request: pb.RegisterRequest) -> WorkerRegistration:
-    layers = []
-    for i, spec in enumerate(request.layers):
-        kind = spec.memory.WhichOneof("kind")
-        memory: ShmSpec | CudaSpec
-        if kind == "shm":
-            m = spec.memory.shm
-            memory = ShmSpec(m.path, m.offset, m.size)
-        elif kind == "cuda":
-            c = spec.memory.cuda
-            memory = CudaSpec(
-                c.device,
-                c.handle,
-                c.storage_size,
-                c.storage_offset,
-                c.ref_counter_handle,
-                c.ref_counter_offset,
-                c.event_handle,
-                c.event_sync_required,
-                c.offset,
-            )
-        else:
-            raise InvalidArgument(f"layers[{i}].memory must be set (shm or cuda)")
-        layers.append(
-            LayerRegistration(
-                geometry=LayerGeometry(
-                    name=spec.name,
-                    dtype=normalize_dtype(spec.dtype),
-                    segment_bytes=spec.segment_bytes,
-                    segments=spec.segments,
-                    group_id=spec.group_id,
-                    layout_tag=spec.layout_tag,
-                ),
-                num_blocks=spec.num_blocks,
-                strides=tuple(spec.strides),
-                memory=memory,
-            )
-        )
-    return WorkerRegistration(
-        instance_id=request.instance_id,
-        namespace=request.namespace,
-        tp_rank=request.tp_rank,
-        tp_size=request.tp_size,
-        pp_rank=request.pp_rank,
-        world_size=request.world_size,
-        block_size=request.block_size,
-        layers=tuple(layers),
-    )
-
-
-def encode_status(s: InstanceStatus) -> pb.InstanceStatus:
-    return pb.InstanceStatus(
-        sealed=s.sealed,
-        registered=s.registered,
-        world_size=s.world_size,
-        namespace_final=s.namespace_final,
-        fingerprint=s.fingerprint,
-        digest=s.digest,
-        num_layers=s.num_layers,
-        page_bytes=s.page_bytes,
-    )
