@@ -10,6 +10,7 @@ import random
 import re
 import stat
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -514,3 +515,16 @@ def test_register_missing_owner_then_retry(engine: EngineProcess, spawn: Callabl
     assert s1.num_layers == 4
     save_all([w0, w1], HASHES, A_BLOCKS)
     assert w1.query(HASHES).hits == 8
+
+
+def test_the_example_worker_runs(engine: EngineProcess) -> None:
+    """examples/worker.py, which the README points to, runs as written against a real engine."""
+    r = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "worker.py"), engine.target],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "hits: 8 loaded: 8" in r.stdout and "ok:" in r.stdout, r.stdout
