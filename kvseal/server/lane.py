@@ -166,8 +166,8 @@ class LaneServer:
     def _accept(self) -> None:
         try:
             while True:
-                if self.connections() >= self.max_connections and not self._make_room("the connection cap"):
-                    self._refuse_one("RESOURCE_EXHAUSTED", "the engine's lane is at its connection cap")
+                if self.connections() >= self.max_connections:
+                    self._no_room("the connection cap", "the engine's lane is at its connection cap")
                     break
                 try:
                     sock, _ = self._sock.accept()
@@ -176,14 +176,19 @@ class LaneServer:
                 except OSError as e:
                     if e.errno not in (errno.EMFILE, errno.ENFILE):
                         raise
-                    if not self._make_room("no file descriptors left (EMFILE)"):
-                        self._refuse_one("RESOURCE_EXHAUSTED", "the engine is out of file descriptors")
-                    time.sleep(0.005)  # let the threads holding the evicted connections close them
+                    self._no_room("no file descriptors left (EMFILE)", "the engine is out of file descriptors")
                     break
                 self._add(sock)
         finally:
             if not self._closing:
                 self._ep.modify(self._sock.fileno(), select.EPOLLIN | select.EPOLLONESHOT)
+
+    def _no_room(self, why: str, answer: str) -> None:
+        """Makes room for the connections waiting in the backlog, or refuses one of them."""
+        if self._make_room(why):
+            time.sleep(0.005)  # let the threads holding the closing connections close them; then accept again
+        else:
+            self._refuse_one("RESOURCE_EXHAUSTED", answer)
 
     def _add(self, sock: socket.socket) -> None:
         pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
@@ -195,13 +200,12 @@ class LaneServer:
         self._ep.register(sock.fileno(), select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT)
 
     def _make_room(self, why: str) -> bool:
-        """Asks the longest-idle connections without a registration to close. True if any will."""
+        """Asks the longest-idle connections without a registration to close. True if some are closing."""
         self._log_error(f"lane: {why}; closing idle connections that hold no registration")
         with self._lock:
-            idle = sorted(
-                (c for c in self._conns.values() if not c.session.workers and not c.closing),
-                key=lambda c: c.last_active,
-            )
+            if any(c.closing for c in self._conns.values()):
+                return True  # room is on its way
+            idle = sorted((c for c in self._conns.values() if not c.session.workers), key=lambda c: c.last_active)
             for conn in idle[: max(1, len(idle) // 8)]:
                 conn.closing = True
                 _shutdown(conn.sock)
