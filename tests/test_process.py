@@ -1,5 +1,5 @@
 """Process-level tests: a real `kvseal serve` subprocess and worker processes whose KV tensors live in shared
-memory (ARCHITECTURE §1, §2, §6). Everything goes through the real gRPC and HTTP servers."""
+memory (docs/design.md §1-§4). Everything goes through the real gRPC and HTTP servers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Registration, seal and the layout fingerprint (kvseal.core.layout, ARCHITECTURE §2)."""
+"""Registration, seal and the layout fingerprint (kvseal.core.layout, docs/design.md §2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Registration, seal and the layout fingerprint (ARCHITECTURE §2). Pure: no I/O, no clocks.
+"""Registration, seal and the layout fingerprint (docs/design.md §2). Pure: no I/O, no clocks.
 
 Theory of operation
 -------------------

@@ -12,7 +12,7 @@ so moving one block of one run is one `np.copyto` of several hundred KiB, with n
 are moved in *spans*: consecutive block ids whose pages are also consecutive in one slab (a batch saved together
 is carved or evicted in order, and vLLM hands out fresh block ids in order) are one strided copy, so a batch
 costs one `np.copyto` per span and run, not per block. Views use 8-byte words when every offset and stride allows
-it (uint8 views copy 3-6x slower, ARCHITECTURE §5).
+it (uint8 views copy 3-6x slower, docs/design.md §5).
 """
 
 from __future__ import annotations
