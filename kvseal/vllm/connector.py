@@ -4,20 +4,29 @@
                            "kv_role":"kv_both","kv_connector_extra_config":{"kvseal.engine":"127.0.0.1:50055"}}'
 
 Extra config: `kvseal.engine` (gRPC target, default 127.0.0.1:50055), `kvseal.namespace` (default: the model's
-identity, kvseal.vllm.identity), `kvseal.mode` (read_write | save_only | load_only), `kvseal.token`.
+identity, kvseal.vllm.identity), `kvseal.mode` (read_write | save_only | load_only), `kvseal.token`,
+`kvseal.timeout_s` (deadline of every engine call in seconds, default 5: a wedged engine costs at most that).
 
 Scheduler side (one per vLLM instance): asks the engine, through the local lane, how many of a waiting request's
 block hashes beyond vLLM's own hit are resident; the engine pins them under a lease. vLLM then allocates blocks
 and the load runs asynchronously on the workers (the request waits in WAITING_FOR_REMOTE_KVS). Every step it also
-plans the saves of blocks that became full. Never claims the last prompt token.
+plans the saves of blocks that became full. Never claims the last prompt token, and with an EAGLE-style drafter
+(eagle, eagle3, mtp …) not the last block of the hit either, exactly as vLLM drops it from its own prefix-cache hit.
+
+One KV cache group only: kvseal saves and loads one block id per hash for all of a worker's layers, so a config to
+which vLLM gives several block tables is refused at start (check_one_kv_cache_group says when vLLM does).
 
 Worker side (one per tp/pp rank): registers exactly the KV tensors vLLM allocated (drafter layers included when
 they exist) with their physical packing in `layout_tag`; the engine seals the layout and derives the namespace.
 Loads run at the step's start and are reported through get_finished; a failed or refused load reports its blocks
 through get_block_ids_with_load_errors so vLLM recomputes them. All saves of a step go in one Save RPC.
 
-The engine being down never stops inference: calls fail soft (no hit, no save), a warning is logged once per
-outage, and the worker re-registers by itself when the engine is back.
+The engine being down or wedged never stops inference: calls fail soft (no hit, no save), each within its deadline;
+after a failure the connectors of a process skip engine calls for 1 s, doubling with every further failure up to
+30 s (reset by a success), so a stopped engine costs one deadline per interval, not one per step. A warning is
+logged once per outage. A worker's registration lives as long as its lane connection to the engine
+(`EngineClient.session_alive`, checked once per step): when that is gone (engine restarted, connection broken)
+the worker registers again, whatever its mode.
 """
 
 from __future__ import annotations
@@ -35,12 +44,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvseal.client import EngineClient, Session, layer_from_tensor
+from kvseal.client import EngineClient, layer_from_tensor
 from kvseal.errors import KvsealError
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.vllm.identity import model_identity
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -51,7 +62,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvseal.vllm")
 MODES = ("read_write", "save_only", "load_only")
-RETRY_INTERVAL_S = 1.0
+RETRY_INTERVAL_S = 1.0  # at most one registration attempt per interval
+DEFAULT_TIMEOUT_S = 5.0
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+# answers of an engine that works, about the state of this instance: not an outage
+_INCOMPLETE = "FAILED_PRECONDITION"  # registration incomplete: other workers are not in yet
+_NOT_REGISTERED = ("NOT_FOUND", "PERMISSION_DENIED")  # the engine does not (or no longer) know this worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,13 +96,16 @@ class _Tracked:
 @dataclass
 class _Pending:
     start: int  # first block index the lease covers
-    hits: int
+    hits: int  # blocks claimed (at most the engine's hits)
     lease_id: int
 
 
 class _Outage:
-    """Logs one warning per outage of the engine, and one line when it is back. Shared by the connectors of one
-    process (scheduler and worker sides live in one process when vLLM runs without multiprocessing)."""
+    """The state of one engine target as the connectors of a process see it (scheduler and worker sides live in one
+    process when vLLM runs without multiprocessing): logs one warning per outage and one line when the engine is
+    back, and paces engine calls during an outage. After a failure no call is made for `backoff_s` seconds (1 s,
+    doubling with each further failure up to 30 s; a success resets it), so a wedged engine, where every call waits
+    out its deadline, costs one deadline per interval instead of one per step."""
 
     _by_target: dict[str, _Outage] = {}
 
@@ -93,9 +113,15 @@ class _Outage:
     def of(cls, target: str) -> _Outage:
         return cls._by_target.setdefault(target, cls(target))
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.target = target
         self.down = False
+        self.backoff_s = 0.0  # 0 while the engine answers
+        self.resume_at = 0.0
+        self._clock = clock
+
+    def allows_call(self) -> bool:
+        return self._clock() >= self.resume_at
 
     def failed(self, what: str, error: Exception) -> None:
         if not self.down:
@@ -103,11 +129,15 @@ class _Outage:
                 "kvseal engine at %s unavailable (%s: %s): continuing without the cache", self.target, what, error
             )
             self.down = True
+        self.backoff_s = min(2 * self.backoff_s, BACKOFF_MAX_S) if self.backoff_s else BACKOFF_FIRST_S
+        self.resume_at = self._clock() + self.backoff_s
 
     def ok(self) -> None:
         if self.down:
             log.warning("kvseal engine at %s is back", self.target)
             self.down = False
+        self.backoff_s = 0.0
+        self.resume_at = 0.0
 
 
 def check_hashing_is_deterministic(vllm_config: VllmConfig) -> None:
@@ -121,12 +151,85 @@ def check_hashing_is_deterministic(vllm_config: VllmConfig) -> None:
         )
 
 
+def check_one_kv_cache_group(kv_cache_config: KVCacheConfig) -> None:
+    """kvseal keys a block by one hash and saves and loads one block id per hash for all of a worker's layers: that
+    is one block table, vLLM's single KV cache group.
+
+    Whether vLLM hands a connector more than one (vLLM 0.32): a connector without `SupportsHMA` (this one) turns
+    the hybrid KV cache manager off (`VllmConfig.__post_init__` sets `disable_hybrid_kv_cache_manager`;
+    `KVConnectorFactory.create_connector` refuses an explicit `--no-disable-hybrid-kv-cache-manager`). Then
+    `kv_cache_utils.get_kv_cache_groups` first calls `unify_hybrid_kv_cache_specs`, which promotes sliding-window and
+    chunked-local attention to full attention and raises for what it cannot unify (attention beside Mamba state:
+    "Failed to promote local KV cache specs"). But it unifies two buckets separately, replicated attention
+    (`dcp_sharded=False`, e.g. a draft model at DCP 1 under a DCP target, `gpu/model_runner.get_kv_cache_spec`) and
+    the rest; when both exist the specs stay mixed and `_get_packed_kv_cache_groups` /
+    `_get_kv_cache_groups_uniform_page_size` return several groups, which vLLM checks only when a request finishes
+    (`Scheduler._connector_finished` asserts one group for a connector without SupportsHMA). So refuse at
+    construction, naming the groups, rather than save and load group 0's block ids for every layer."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) == 1:
+        return
+    if not groups:
+        raise ValueError(
+            "kvseal supports one KV cache group; this model has none (it is attention-free: no KV cache to "
+            "share). Run it without kvseal (drop --kv-transfer-config)."
+        )
+    described = "; ".join(
+        f"group {i}: {type(g.kv_cache_spec).__name__}, {len(g.layer_names)} layers ({_names(g.layer_names)})"
+        for i, g in enumerate(groups)
+    )
+    raise ValueError(
+        f"kvseal supports one KV cache group; this model has {len(groups)} ({described}). vLLM gives each group "
+        "its own block table, while kvseal saves and loads one block id per hash for all of a worker's layers. "
+        "vLLM already merged what it could (kvseal turns the hybrid KV cache manager off). Give every layer one KV "
+        "cache spec (e.g. the same decode-context-parallel sharding for draft and target layers), or run this "
+        "model without kvseal (drop --kv-transfer-config)."
+    )
+
+
+def _names(names: list[str], shown: int = 2) -> str:
+    more = f", … {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def drops_last_hit_block(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> bool:
+    """Whether vLLM drops the last block of its own prefix-cache hit, mirrored from vLLM 0.32: the scheduler builds
+    its KVCacheManager with `use_eagle=speculative_config.use_eagle_block_drop()` (method in eagle, eagle3, mtp,
+    dflash, dspark, and `disable_eagle_block_drop` off); `KVCacheCoordinator` flags the groups marked
+    `is_eagle_group`, or every group when that is set and none is marked; `UnitaryKVCacheCoordinator` (one group)
+    passes `drop_eagle_block = 0 in eagle_group_ids` to `FullAttentionManager.find_longest_cache_hit`, which then
+    takes one block (alignment = block size with one group) off a non-empty hit. The drafter needs that block
+    recomputed: for its hidden states, and because its KV there depends on tokens past the block."""
+    spec = vllm_config.speculative_config
+    use_eagle = spec is not None and spec.use_eagle_block_drop()
+    return use_eagle or kv_cache_config.kv_cache_groups[0].is_eagle_group
+
+
+def claimable_blocks(hits: int, drop_last_block: bool) -> int:
+    """Blocks of the engine's `hits` (leading resident blocks right after vLLM's own hit) the connector claims.
+
+    vLLM has already taken the drafter's block off its own hit, and the engine's hit continues from there, so the
+    last block of the whole hit is the engine's last one: dropping it gives exactly vLLM's rule applied to the
+    union of both caches."""
+    return max(hits - 1, 0) if drop_last_block else hits
+
+
+def _timeout_s(extra: dict[str, Any]) -> float:
+    value = extra.get("kvseal.timeout_s", DEFAULT_TIMEOUT_S)
+    try:
+        timeout = float(value)
+    except (TypeError, ValueError):
+        timeout = 0.0
+    if not 0 < timeout < float("inf"):
+        raise ValueError(f"kvseal.timeout_s must be a positive number of seconds, got {value!r}")
+    return timeout
+
+
 class KVSealConnector(KVConnectorBase_V1):
-    def __init__(
-        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
-    ) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_hashing_is_deterministic(vllm_config)
+        check_one_kv_cache_group(kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
         extra = transfer.kv_connector_extra_config or {}
@@ -134,13 +237,15 @@ class KVSealConnector(KVConnectorBase_V1):
         if self.mode not in MODES:
             raise ValueError(f"kvseal.mode must be one of {MODES}, got {self.mode!r}")
         self.target = extra.get("kvseal.engine", "127.0.0.1:50055")
+        self.timeout_s = _timeout_s(extra)
         self.instance_id = f"vllm-{transfer.engine_id}"
         self.block_size = vllm_config.cache_config.block_size
-        self.client = EngineClient(self.target, token=extra.get("kvseal.token"), timeout=30.0)
+        self.client = EngineClient(self.target, token=extra.get("kvseal.token"), timeout=self.timeout_s)
         self.outage = _Outage.of(self.target)
         if role == KVConnectorRole.SCHEDULER:
             # a failed or refused load must make vLLM recompute, never fail the request
             transfer.kv_load_failure_policy = "recompute"
+            self._drop_last_block = drops_last_hit_block(vllm_config, kv_cache_config)
             self._pending: dict[str, _Pending] = {}
             self._tracked: dict[str, _Tracked] = {}
             self._requests: dict[str, Any] = {}
@@ -150,7 +255,6 @@ class KVSealConnector(KVConnectorBase_V1):
             self.namespace = extra.get("kvseal.namespace") or model_identity(model.model, model.revision)
             self._kv_caches: dict[str, torch.Tensor] = {}
             self._layers: list[pb.LayerSpec] = []
-            self._session: Session | None = None
             self._registered = False
             self._next_attempt = 0.0
             self._finished_loads: set[str] = set()
@@ -160,7 +264,7 @@ class KVSealConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._release_pending(request.request_id)
-        if self.mode == "save_only":
+        if self.mode == "save_only" or not self.outage.allows_call():
             return 0, False
         start = num_computed_tokens // self.block_size
         limit = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))  # keep the last token
@@ -169,18 +273,22 @@ class KVSealConnector(KVConnectorBase_V1):
         try:
             q = self.client.query(self.instance_id, list(request.block_hashes[start:limit]))
         except KvsealError as e:
-            if e.status not in ("FAILED_PRECONDITION", "NOT_FOUND"):  # not registered yet: no hit, no noise
+            if e.status in (_INCOMPLETE, "NOT_FOUND"):  # the engine answers, the workers are not (all) in yet
+                self.outage.ok()
+            else:
                 self.outage.failed("query", e)
             return 0, False
         self.outage.ok()
         if q.loading:
             self._release(q.lease_id)
             return None, False
-        if q.hits == 0:
+        hits = claimable_blocks(q.hits, self._drop_last_block)
+        if hits == 0:
+            self._release(q.lease_id)
             return 0, False
-        self._pending[request.request_id] = _Pending(start, q.hits, q.lease_id)
+        self._pending[request.request_id] = _Pending(start, hits, q.lease_id)
         self._requests[request.request_id] = request
-        return q.hits * self.block_size, True  # loaded by the workers before the request is scheduled
+        return hits * self.block_size, True  # loaded by the workers before the request is scheduled
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._requests[request.request_id] = request
@@ -191,7 +299,7 @@ class KVSealConnector(KVConnectorBase_V1):
         if n == 0:
             self._release(pending.lease_id)
             return
-        block_ids = blocks.get_block_ids()[0]
+        [block_ids] = blocks.get_block_ids()  # one KV cache group (check_one_kv_cache_group)
         end = pending.start + min(n, pending.hits)
         self._loads.append(
             LoadJob(
@@ -211,7 +319,8 @@ class KVSealConnector(KVConnectorBase_V1):
             request = self._requests.get(new.req_id)
             if request is not None:
                 loaded = new.num_computed_tokens // self.block_size
-                self._tracked[new.req_id] = _Tracked(request, list(new.block_ids[0]), loaded)
+                [block_ids] = new.block_ids
+                self._tracked[new.req_id] = _Tracked(request, list(block_ids), loaded)
                 self._plan_save(meta, new.req_id, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -222,7 +331,8 @@ class KVSealConnector(KVConnectorBase_V1):
             if req_id in cached.resumed_req_ids:
                 tracked.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
-                tracked.block_ids.extend(new_ids[0])
+                [added] = new_ids
+                tracked.block_ids.extend(added)
             self._plan_save(meta, req_id, cached.num_computed_tokens[i], scheduler_output)
         return meta
 
@@ -254,18 +364,23 @@ class KVSealConnector(KVConnectorBase_V1):
             self._release(pending.lease_id)
 
     def _release(self, lease_id: int) -> None:
-        if lease_id:
-            try:
-                self.client.release(self.instance_id, lease_id)
-            except KvsealError:
-                pass  # expired or the engine restarted: the lease is gone either way
+        """Ends a lease early. Skipped during an outage: the engine ends it on its TTL anyway."""
+        if not lease_id or not self.outage.allows_call():
+            return
+        try:
+            self.client.release(self.instance_id, lease_id)
+        except KvsealError as e:
+            if e.status in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+                self.outage.failed("release", e)
+            # otherwise the lease expired or the engine restarted: it is gone either way
 
     # ================================================================ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
         self._layers = [
-            layer_from_tensor(name, tensor, layout_tag=self._layout_tag(name, tensor))
+            # every layer is in the one KV cache group (check_one_kv_cache_group)
+            layer_from_tensor(name, tensor, layout_tag=self._layout_tag(name, tensor), group_id=0)
             for name, tensor in sorted(kv_caches.items())
         ]
         self._ensure_registered()
@@ -281,10 +396,18 @@ class KVSealConnector(KVConnectorBase_V1):
         cache_dtype = self._vllm_config.cache_config.cache_dtype
         return f"{backend}/{layout}/{isa}/{str(tensor.dtype).removeprefix('torch.')}/{cache_dtype}"
 
+    def _check_session(self) -> None:
+        """Once per step: a registration lives as long as the client's lane connection, which an engine restart or
+        a failed call ends. Then register again (in every mode: a load_only worker never learns it from a Save)."""
+        if self._registered and not self.client.session_alive():
+            self._registered = False
+            log.info("kvseal: the engine's session of %s is gone; registering again", self.instance_id)
+        self._ensure_registered()
+
     def _ensure_registered(self) -> bool:
         if self._registered:
             return True
-        if not self._layers or time.monotonic() < self._next_attempt:
+        if not self._layers or time.monotonic() < self._next_attempt or not self.outage.allows_call():
             return False
         self._next_attempt = time.monotonic() + RETRY_INTERVAL_S
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
@@ -303,9 +426,6 @@ class KVSealConnector(KVConnectorBase_V1):
                 block_size=self.block_size,
                 layers=self._layers,
             )
-            if self._session is not None:
-                self._session.close()
-            self._session = self.client.open_session(self._worker)
         except KvsealError as e:
             self.outage.failed("register", e)
             return False
@@ -321,24 +441,30 @@ class KVSealConnector(KVConnectorBase_V1):
         return True
 
     def _engine_call(self, what: str, fn: Any, *args: Any) -> Any:
-        """Runs one data-path RPC; on failure marks the worker unregistered so it re-registers when the engine is
-        back (an engine restart forgets every instance)."""
+        """Runs one data-path call of a registered worker, or skips it (None) during an outage's backoff."""
+        if not self.outage.allows_call():
+            return None
         try:
             result = fn(*args)
         except KvsealError as e:
-            if e.status != "FAILED_PRECONDITION":  # other workers not in yet: nothing is wrong
+            if e.status in _NOT_REGISTERED:  # the engine answers but no longer knows this registration
                 self._registered = False
+                self.outage.ok()
+            elif e.status == _INCOMPLETE:  # other workers not in yet: nothing is wrong
+                self.outage.ok()
+            else:
                 self.outage.failed(what, e)
             return None
         self.outage.ok()
         return result
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._check_session()
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVSealConnectorMetadata)
         for job in meta.loads:
             loaded = 0
-            if self._ensure_registered():
+            if self._registered:
                 r = self._engine_call("load", self.client.load, self._worker, job.hashes, job.block_ids, job.lease_id)
                 if r is not None:
                     loaded = r.loaded
@@ -358,7 +484,7 @@ class KVSealConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVSealConnectorMetadata)
-        if meta.save_hashes and self._ensure_registered():
+        if meta.save_hashes and self._registered:  # the session was checked at this step's start_load_kv
             self._engine_call("save", self.client.save, self._worker, meta.save_hashes, meta.save_block_ids)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -370,7 +496,4 @@ class KVSealConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
-        session = getattr(self, "_session", None)
-        if session is not None:
-            session.close()
-        self.client.close()
+        self.client.close()  # ends the lane connection, and with it this worker's registration
