@@ -172,9 +172,10 @@ class EngineClient:
         return self._lane_required().call(frame, spin_s=self._lane_spin_s if spin else 0.0)
 
     def _lane_required(self) -> _Lane:
-        """The lane connection, opened (and greeted with the token) on first use, or again after it broke."""
+        """The lane connection, opened (and greeted with the token) on first use, or again after it broke or the
+        engine closed it (a restarted engine: what it carried is gone, session_alive() says so)."""
         with self._lane_lock:
-            if self._lane is None or self._lane.broken:
+            if self._lane is None or not self._lane.alive():
                 path = self.info().lane_socket
                 if not path:
                     raise Unavailable(f"the engine at {self.target} announces no local lane")
