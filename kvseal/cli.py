@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import grp
 import logging
+import math
 import os
 import re
 import signal
 import sys
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from kvseal.server.serve import ServeConfig
 
 _UNITS = {
     "": 1,
@@ -35,33 +41,182 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvseal", description=__doc__)
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the usage itself is one `--help` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each default, except where there is none to show (None, on/off switches)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
+def _positive_size(text: str) -> int:
+    size = parse_size(text)
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, not {text!r}")
+    return size
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds more than 0, not {text!r}")
+    return value
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text!r}")
+    return value
+
+
+def _group(text: str) -> str:
+    try:
+        grp.getgrnam(text)
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"no such group {text!r}") from None
+    return text
+
+
+def _host_port(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdecimal() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    return text
+
+
+def _grpc_address(text: str) -> str:
+    if text.startswith("unix:"):
+        if not text.removeprefix("unix:").removeprefix("//"):
+            raise argparse.ArgumentTypeError(f"{text!r} names no socket path")
+        return text
+    try:
+        return _host_port(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT or unix:/path") from None
+
+
+def _http_address(text: str) -> str:
+    return text if text == "" else _host_port(text)
+
+
+_LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The `kvseal` parser and its `serve` subparser."""
+    parser = _Parser(prog="kvseal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the engine")
-    serve.add_argument("--listen", default="127.0.0.1:50055", help="gRPC address: HOST:PORT or unix:/path")
-    serve.add_argument("--http-listen", default="127.0.0.1:9091", help="HTTP address for /health, /metrics, /v1/*")
-    serve.add_argument("--pool-size", type=parse_size, default=parse_size("1GiB"), help="host memory pool")
-    serve.add_argument("--slab-size", type=parse_size, default=parse_size("64MiB"), help="pool slab size")
-    serve.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a query's lease pins its blocks")
-    serve.add_argument("--inflight-timeout", type=float, default=60.0, help="seconds before incomplete pages go")
-    serve.add_argument("--allow-remote", action="store_true", help="allow non-loopback addresses (needs a token)")
-    serve.add_argument("--token", default=os.environ.get("KVSEAL_TOKEN"), help="shared bearer token")
+    serve = sub.add_parser("serve", help="run the engine", formatter_class=_HelpFormatter)
+    serve.add_argument(
+        "--listen", type=_grpc_address, default="127.0.0.1:50055", help="gRPC address: HOST:PORT or unix:/path"
+    )
+    serve.add_argument(
+        "--http-listen",
+        type=_http_address,
+        default="127.0.0.1:9091",
+        help="HTTP address (HOST:PORT) for /health, /metrics, /v1/*; '' = off",
+    )
+    serve.add_argument("--pool-size", type=_positive_size, default="1GiB", help="host memory pool, pre-faulted")
+    serve.add_argument(
+        "--slab-size", type=_positive_size, default="64MiB", help="pool slab; the largest page must fit in one"
+    )
+    serve.add_argument(
+        "--lease-ttl",
+        type=_positive_seconds,
+        default=30.0,
+        help="maximum seconds a query's lease pins its blocks: a client's lease_ttl_ms is capped to it",
+    )
+    serve.add_argument(
+        "--inflight-timeout",
+        type=_positive_seconds,
+        default=60.0,
+        help="seconds before a page that never got all its slots is reclaimed",
+    )
+    serve.add_argument(
+        "--allow-remote", action="store_true", help="allow non-loopback addresses (needs a token); default: off"
+    )
+    serve.add_argument(
+        "--token",
+        default=None,
+        help="shared bearer token; default: $KVSEAL_TOKEN, else none. With a token every RPC and HTTP path but "
+        "health needs it; without one, TCP clients other than the engine's user and root are refused",
+    )
     serve.add_argument(
         "--lane-socket",
         default="auto",
         help="unix socket of the local lane for Query/Release/Save/Load ('auto': beside --listen or in the temp dir; "
         "'' = off)",
     )
+    serve.add_argument(
+        "--lane-group",
+        type=_group,
+        default=None,
+        help="make the lane socket mode 0660 with this group, so that its members can connect; default: the "
+        "socket is mode 0600, only the engine's user connects",
+    )
+    serve.add_argument(
+        "--lane-max-connections",
+        type=_at_least_one,
+        default=4096,
+        help="the most lane connections open at once",
+    )
+    serve.add_argument(
+        "--lane-idle-timeout",
+        type=_positive_seconds,
+        default=60.0,
+        help="seconds a lane connection that holds no registration may stay silent before it is closed",
+    )
     serve.add_argument("--no-prefault", action="store_true", help="do not fault the pool in at start")
-    serve.add_argument("--log-level", default="INFO")
+    serve.add_argument("--log-level", type=str.upper, choices=_LOG_LEVELS, default="INFO", help="logging level")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench.add_argument("what", choices=["engine"])
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    return parser, serve
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `kvseal` command's parser (parse_args() also checks what one flag cannot check alone)."""
+    return _parsers()[0]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parses and checks the command line; a bad value exits with status 2 and one line naming the flag."""
+    parser, serve = _parsers()
     args = parser.parse_args(argv)
+    if args.command != "serve":
+        return args
+    if args.slab_size > args.pool_size:
+        serve.error(f"argument --slab-size: {args.slab_size} bytes is more than --pool-size ({args.pool_size} bytes)")
+    if args.token is None:
+        args.token = os.environ.get("KVSEAL_TOKEN")
+        if args.token == "":
+            serve.error("KVSEAL_TOKEN is set but empty: unset it to run without a token, or set the token")
+    elif args.token == "":
+        serve.error("argument --token: empty; leave --token out to run without a token")
+    if args.lane_group is not None and args.lane_socket == "":
+        serve.error("argument --lane-group: the lane is off (--lane-socket '')")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.command == "serve":
         return _serve(args)
     from kvseal.bench import engine as bench_engine
@@ -69,11 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     return bench_engine.main(quick=args.quick)
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from kvseal.server.serve import EngineServer, ServeConfig
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The ServeConfig that `kvseal serve` runs with, from parse_args()'s result."""
+    from kvseal.server.serve import ServeConfig
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = ServeConfig(
+    return ServeConfig(
         listen=args.listen,
         http_listen=args.http_listen,
         pool_bytes=args.pool_size,
@@ -84,7 +239,17 @@ def _serve(args: argparse.Namespace) -> int:
         token=args.token,
         prefault=not args.no_prefault,
         lane_socket=args.lane_socket,
+        lane_group=args.lane_group,
+        lane_max_connections=args.lane_max_connections,
+        lane_idle_timeout_s=args.lane_idle_timeout,
     )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvseal.server.serve import EngineServer
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = serve_config(args)
     server = EngineServer(cfg)
     server.start()
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())

@@ -1,10 +1,16 @@
-"""HTTP side of the engine: /health, /metrics (Prometheus), /v1/instances, /v1/namespaces (JSON)."""
+"""HTTP side of the engine: /health, /metrics (Prometheus), /v1/instances, /v1/namespaces (JSON).
+
+Who may ask: /health, anyone. Every other path: with a token, whoever sends it; without one, only a client whose
+socket belongs to the engine's uid or root (kvseal.server.peers), since they show every tenant's namespaces.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import hmac
 import json
+import os
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -13,12 +19,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvseal.engine.engine import Engine
 from kvseal.server.metrics import Metrics
+from kvseal.server.peers import local_uid_allowed, tcp_peer_uid
 
 
 class HttpServer:
     def __init__(self, host: str, port: int, engine: Engine, metrics: Metrics, token: str | None) -> None:
         handler = type("Handler", (_Handler,), {"engine": engine, "metrics": metrics, "token": token})
-        self._server = ThreadingHTTPServer((host, port), handler)
+        server_class = _HttpServer6 if ":" in host else ThreadingHTTPServer
+        self._server = server_class((host, port), handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="kvseal-http", daemon=True)
@@ -29,6 +37,10 @@ class HttpServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class _HttpServer6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -47,6 +59,17 @@ class _Handler(BaseHTTPRequestHandler):
             if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
                 self._send(401, "application/json", b'{"error":"missing or wrong bearer token"}')
                 return
+        if path != "/health" and self.token is None:
+            uid = self._peer_uid()
+            if not local_uid_allowed(uid):
+                who = "this client's uid could not be found" if uid is None else f"this client is uid {uid}"
+                message = (
+                    f"without a token, {path} is only for the engine's user (uid {os.getuid()}) and root, and {who}: "
+                    "run the client as one of those, or start the engine with --token (or $KVSEAL_TOKEN) and send "
+                    "'Authorization: Bearer <token>'"
+                )
+                self._send(403, "application/json", json.dumps({"error": message}).encode())
+                return
         if path == "/health":
             self._send(200, "application/json", b'{"status":"ok"}')
         elif path == "/metrics":
@@ -57,6 +80,14 @@ class _Handler(BaseHTTPRequestHandler):
             self._json([dataclasses.asdict(s) for s in self.engine.instances()])
         else:
             self._send(404, "application/json", json.dumps({"error": f"no such path {path!r}"}).encode())
+
+    def _peer_uid(self) -> int | None:
+        """The uid owning the client's socket of this connection (looked up once: one handler per connection)."""
+        if not hasattr(self, "_uid"):
+            host, port = self.client_address[:2]
+            server_host, server_port = self.connection.getsockname()[:2]
+            self._uid = tcp_peer_uid(host, port, server_port, server_host=server_host)
+        return self._uid
 
     def _json(self, value: Any) -> None:
         self._send(200, "application/json", json.dumps(value, indent=1).encode())
