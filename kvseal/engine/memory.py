@@ -84,6 +84,8 @@ def check_memfd(where: str, fd: int, size: int) -> None:
                 f"{where}: the memory must be a memfd sealed with F_SEAL_SHRINK (kvseal.memfd does it), so it can "
                 "never shrink under the engine"
             )
+        if seals & (fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)):
+            raise InvalidArgument(f"{where}: the memfd is sealed against writes; the engine loads into it")
         if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
             raise InvalidArgument(f"{where}: the descriptor must be open read-write (the engine loads into it)")
     except OSError as e:
@@ -97,7 +99,10 @@ class MappedFile:
 
     def __init__(self, where: str, fd: int, size: int) -> None:
         check_memfd(where, fd, size)
-        self._map = mmap.mmap(fd, size)
+        try:
+            self._map = mmap.mmap(fd, size)
+        except OSError as e:
+            raise InvalidArgument(f"{where}: the memfd cannot be mapped read-write: {e.strerror}") from None
         _populate(self._map)
         self.bytes = np.frombuffer(self._map, dtype=np.uint8)
         self.size = size
