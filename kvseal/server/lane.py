@@ -261,7 +261,7 @@ class LaneServer:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     n = len(payload) // 4
                     conn.fds.extend(struct.unpack(f"{n}i", payload[: 4 * n]))
-            if flags & socket.MSG_CTRUNC:
+            if flags & socket.MSG_CTRUNC or len(conn.fds) > lane.MAX_FDS:
                 _send(conn.sock, lane.encode_error("INVALID_ARGUMENT", f"more than {lane.MAX_FDS} descriptors"))
                 return False
             if not data:
