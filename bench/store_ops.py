@@ -31,9 +31,9 @@ from typing import Any
 
 from kvseal.core.layout import LayerGeometry, LayerRegistration, WorkerRegistration, build_layout
 from kvseal.core.store import BlockStore
-from kvseal.engine.engine import Engine
+from kvseal.engine.engine import Engine, Peer, Session
 from kvseal.engine.memory import ShmSpec
-from kvseal.proto import kvseal_pb2 as pb
+from kvseal.memfd import SharedArray
 
 BATCHES = (256, 8192)
 MiB = 1 << 20
@@ -135,9 +135,8 @@ def engine_ops(n: int, reps: int, tmp: str) -> Samples:
     """Engine.save/query/release/load of n 64-byte blocks with protobuf repeated fields, as the service calls."""
     page = 64
     num_blocks = 2 * n
-    path = os.path.join(tmp, f"kvseal-bench-store-ops-{os.getpid()}-{n}")
-    with open(path, "wb") as f:
-        f.truncate(num_blocks * page)
+    shared = SharedArray((num_blocks * page,))
+    session = Session(Peer(uid=os.getuid(), pid=os.getpid(), privileged=True))
     try:
         engine = Engine(max(64 * MiB, 4 * n * page * (reps + 2)), prefault=True)
         reg = WorkerRegistration(
@@ -150,30 +149,30 @@ def engine_ops(n: int, reps: int, tmp: str) -> Samples:
             block_size=16,
             layers=(
                 LayerRegistration(
-                    geometry("model.layers.0.attn", page), num_blocks, (page,), ShmSpec(path, 0, num_blocks * page)
+                    geometry("model.layers.0.attn", page), num_blocks, (page,), ShmSpec(0, 0, shared.region.size)
                 ),
             ),
         )
-        engine.register(reg)
+        engine.register(reg, session, [shared.fd])
         worker = ("bench", 0, 0)
         hashes = Hashes()
         out = Samples()
         for _ in range(reps):
-            save = pb.SaveRequest(block_hashes=hashes.take(n), block_ids=range(n))
-            load = pb.LoadRequest(block_hashes=save.block_hashes, block_ids=range(n, 2 * n))
+            block_hashes = hashes.take(n)
             gc.collect()
-            r = out.timed("engine save", engine.save, worker, save.block_hashes, save.block_ids)
+            r = out.timed("engine save", engine.save, worker, block_hashes, list(range(n)), session)
             assert r.completed == n
-            q = out.timed("engine query", engine.query, "bench", save.block_hashes)
+            q = out.timed("engine query", engine.query, "bench", block_hashes, session.peer)
             assert q.hits == n
-            out.timed("engine release", engine.release, "bench", q.lease_id)
-            q = engine.query("bench", save.block_hashes)
-            lr = out.timed("engine load (lease)", engine.load, worker, load.block_hashes, load.block_ids, q.lease_id)
+            out.timed("engine release", engine.release, "bench", q.lease_id, session.peer)
+            q = engine.query("bench", block_hashes, session.peer)
+            ids = list(range(n, 2 * n))
+            lr = out.timed("engine load (lease)", engine.load, worker, block_hashes, ids, session, q.lease_id)
             assert lr.loaded == n and engine.store.lease(q.lease_id) is None
         engine.store.check_invariants()
         return out
     finally:
-        os.unlink(path)
+        shared.close()
 
 
 def main(quick: bool = False) -> int:

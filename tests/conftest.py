@@ -88,7 +88,11 @@ class EngineStartFailed(Exception):
 class EngineProcess:
     """A running `kvseal serve`. `target` is its gRPC address, `http` its HTTP base URL."""
 
-    def __init__(self, workdir: Path, extra: Sequence[str] = (), listen: str | None = None) -> None:
+    def __init__(
+        self, workdir: Path, extra: Sequence[str] = (), listen: str | None = None, wrapper: Sequence[str] = ()
+    ) -> None:
+        """`wrapper`: a command line the serve command is appended to (it must exec its arguments), e.g. one that
+        sets a resource limit first."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.target = listen or f"127.0.0.1:{free_port()}"
@@ -97,7 +101,7 @@ class EngineProcess:
         self.token = _token_of(extra)
         self.stdout_path = workdir / "engine.stdout"
         self.stderr_path = workdir / "engine.stderr"
-        self.args = serve_command(self.target, f"127.0.0.1:{self.http_port}", extra)
+        self.args = [*wrapper, *serve_command(self.target, f"127.0.0.1:{self.http_port}", extra)]
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(self.args, cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
         self.expect_exit = False
@@ -208,11 +212,11 @@ class _Engines:
         self.base = base
         self.running: list[EngineProcess] = []
 
-    def start(self, *extra: str, listen: str | None = None) -> EngineProcess:
+    def start(self, *extra: str, listen: str | None = None, wrapper: Sequence[str] = ()) -> EngineProcess:
         """Starts an engine and waits until it serves. Ports come from free_port(), so another process may take one
         before the engine binds it: that case is retried with new ports."""
         for attempt in range(3):
-            engine = EngineProcess(self.base / f"engine{len(self.running)}", extra, listen)
+            engine = EngineProcess(self.base / f"engine{len(self.running)}", extra, listen, wrapper)
             self.running.append(engine)
             try:
                 engine.wait_ready()
@@ -235,7 +239,7 @@ class _Engines:
 
 @pytest.fixture
 def engine_factory(tmp_path: Path) -> Iterator[Callable[..., EngineProcess]]:
-    """start(*extra_args, listen=None) -> a ready EngineProcess, stopped and checked at teardown."""
+    """start(*extra_args, listen=None, wrapper=()) -> a ready EngineProcess, stopped and checked at teardown."""
     engines = _Engines(tmp_path)
     yield engines.start
     engines.stop_all()

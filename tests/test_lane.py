@@ -1,4 +1,5 @@
-"""The local lane (kvseal.lane): its codec on any bytes, and a real engine serving it beside gRPC."""
+"""The local lane (kvseal.lane): its codec on any bytes, the frame assembler under any chunking, the wire-level
+layer count of a registration, and a real engine serving the lane beside gRPC."""
 
 from __future__ import annotations
 
@@ -6,20 +7,39 @@ import os
 import socket
 import stat
 import struct
+import subprocess
+import time
+from collections.abc import Iterator
 from typing import Any
 
+import grpc
+import numpy as np
 import pytest
-from conftest import EngineProcess
+from conftest import REPO, EngineProcess, free_port, serve_command
 from hypothesis import given
 from hypothesis import strategies as st
-from workers import Worker, attn_layers
 
 from kvseal import lane as fq
-from kvseal.client import EngineClient
+from kvseal.client import layer_from_array
 from kvseal.errors import InvalidArgument, NotFound
+from kvseal.limits import MAX_LAYERS, MAX_REGISTER_BYTES
+from kvseal.memfd import SharedArray
 from kvseal.proto import kvseal_pb2 as pb
+from kvseal.proto import kvseal_pb2_grpc as pb_grpc
 
 HASHES = [bytes([i]) * 32 for i in range(8)]
+U32, U64 = 2**32 - 1, 2**64 - 1
+REQUEST_TYPES = (
+    fq.QueryRequest,
+    fq.ReleaseRequest,
+    fq.SaveRequest,
+    fq.LoadRequest,
+    fq.UnregisterRequest,
+    fq.HelloRequest,
+    fq.RegisterRequest,
+)
+
+# -------------------------------------------------------------------- codec
 
 
 @given(st.integers(0, 255), st.binary(max_size=300))
@@ -28,135 +48,146 @@ def test_decode_request_parses_or_raises_invalid_argument(op: int, body: bytes) 
         request = fq.decode_request(op, body)
     except InvalidArgument:
         return
-    assert isinstance(request, (fq.QueryRequest, fq.ReleaseRequest, fq.SaveRequest, fq.LoadRequest))
+    assert isinstance(request, REQUEST_TYPES)
+    if isinstance(request, fq.RegisterRequest):
+        assert op == fq.OP_REGISTER and request.body == body
 
 
-WORKER_KEYS = st.tuples(st.text(min_size=1, max_size=40), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1))
+WORKER_KEYS = st.tuples(st.text(min_size=1, max_size=40), st.integers(0, U32), st.integers(0, U32))
 SAME_LENGTH_HASHES = st.integers(1, 255).flatmap(
     lambda size: st.lists(st.binary(min_size=size, max_size=size), max_size=70)
 )
 
 
+def _decoded(frame: bytes) -> fq.Request:
+    length, op = struct.unpack_from("<IB", frame)
+    assert length == len(frame) - 5
+    return fq.decode_request(op, frame[5:])
+
+
 @given(WORKER_KEYS, SAME_LENGTH_HASHES, st.data())
 def test_save_and_load_frames_round_trip(worker: tuple[str, int, int], hashes: list[bytes], data: Any) -> None:
-    ids = data.draw(st.lists(st.integers(0, 2**32 - 1), min_size=len(hashes), max_size=len(hashes)))
-    lease = data.draw(st.integers(0, 2**64 - 1))
-    for frame, expected in (
-        (fq.encode_save(worker, hashes, ids), fq.SaveRequest(worker, hashes, ids)),
-        (fq.encode_load(worker, hashes, ids, lease), fq.LoadRequest(worker, lease, hashes, ids)),
-    ):
-        length, op = struct.unpack_from("<IB", frame)
-        assert length == len(frame) - 5
-        assert fq.decode_request(op, frame[5:]) == expected
+    ids = data.draw(st.lists(st.integers(0, U32), min_size=len(hashes), max_size=len(hashes)))
+    lease = data.draw(st.integers(0, U64))
+    assert _decoded(fq.encode_save(worker, hashes, ids)) == fq.SaveRequest(worker, hashes, ids)
+    assert _decoded(fq.encode_load(worker, hashes, ids, lease)) == fq.LoadRequest(worker, lease, hashes, ids)
 
 
-@given(st.sampled_from(["loaded", "missing", "refused"]), st.integers(0, 2**32 - 1), st.text(), st.text())
+@given(st.sampled_from(["loaded", "missing", "refused"]), st.integers(0, U32), st.text(), st.text())
 def test_load_answer_round_trips(outcome: str, loaded: int, reason: str, message: str) -> None:
     body = fq.encode_load_ok(outcome, loaded, reason, message)[5:]
     assert fq.decode_load_ok(body) == (fq.OUTCOMES[outcome], loaded, reason, message)
 
 
-@given(st.text(min_size=1, max_size=40), SAME_LENGTH_HASHES, st.integers(0, 2**32 - 1))
+@given(st.text(min_size=1, max_size=40), SAME_LENGTH_HASHES, st.integers(0, U32))
 def test_query_frame_round_trips(instance_id: str, hashes: list[bytes], ttl: int) -> None:
-    frame = fq.encode_query(instance_id, hashes, ttl)
-    length, op = struct.unpack_from("<IB", frame)
-    assert length == len(frame) - 5
-    assert fq.decode_request(op, frame[5:]) == fq.QueryRequest(instance_id, ttl, hashes)
+    assert _decoded(fq.encode_query(instance_id, hashes, ttl)) == fq.QueryRequest(instance_id, ttl, hashes)
 
 
-def _sealed_instance(engine: EngineProcess) -> Worker:
-    worker = Worker.start(engine.target, name="lane-worker")
-    worker.status = worker.register(
-        instance_id="A", namespace="lane", layers=attn_layers(2), tp_rank=0, tp_size=1, world_size=1, seed=1
-    )
-    worker.save(HASHES, list(range(len(HASHES))))
-    return worker
+@given(st.text(max_size=40), st.integers(0, U64))
+def test_release_frame_round_trips(instance_id: str, lease_id: int) -> None:
+    assert _decoded(fq.encode_release(instance_id, lease_id)) == fq.ReleaseRequest(instance_id, lease_id)
 
 
-def _raw(path: str, frame: bytes) -> tuple[int, bytes] | None:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.connect(path)
-        s.sendall(frame)
-        s.shutdown(socket.SHUT_WR)  # a truncated frame then ends in EOF instead of a wait
-        return fq.read_frame(s)
+@given(WORKER_KEYS)
+def test_unregister_frame_round_trips(worker: tuple[str, int, int]) -> None:
+    assert _decoded(fq.encode_unregister(worker)) == fq.UnregisterRequest(worker)
 
 
-@pytest.mark.process
-def test_lane_answers_like_grpc(engine: EngineProcess) -> None:
-    worker = _sealed_instance(engine)
-    try:
-        lane_client = engine.client()
-        grpc_client = engine.client(use_lane=False)
-        path = lane_client.info().lane_socket
-        assert path and stat.S_ISSOCK(os.stat(path).st_mode)
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        probe = HASHES[:5] + [b"\xff" * 32] + HASHES[5:]
-        by_lane, by_grpc = lane_client.query("A", probe), grpc_client.query("A", probe)
-        assert (
-            (by_lane.hits, by_lane.namespace_final)
-            == (by_grpc.hits, by_grpc.namespace_final)
-            == (
-                5,
-                worker.status.namespace_final,
-            )
-        )
-        assert by_lane.lease_id and by_lane.lease_id != by_grpc.lease_id
-        assert engine.metric("kvseal_leases") == 2
-        lane_client.release("A", by_lane.lease_id)
-        lane_client.release("A", by_grpc.lease_id)
-        assert engine.metric("kvseal_leases") == 0
-        with pytest.raises(NotFound, match="lease_id"):
-            lane_client.release("A", by_lane.lease_id)
-        with pytest.raises(NotFound, match="not registered"):
-            lane_client.query("nobody", HASHES)
-        assert engine.metric("kvseal_rpc_seconds_count", method="lane.Query", code="OK") == 1
-    finally:
-        worker.close()
+@given(st.text(max_size=300))
+def test_hello_frame_round_trips(token: str) -> None:
+    assert _decoded(fq.encode_hello(token)) == fq.HelloRequest(token)
 
 
-@pytest.mark.process
-def test_lane_survives_malformed_frames(engine: EngineProcess) -> None:
-    worker = _sealed_instance(engine)
-    try:
-        path = engine.client().info().lane_socket
-        bad: list[bytes] = [
-            struct.pack("<IB", 3, fq.OP_QUERY) + b"\x05\x00A",  # instance_id runs past the frame
-            struct.pack("<IB", 0, 9),  # unknown op, empty body
-            fq.encode_query("A", HASHES)[:-1] + b"",  # truncated: the length says one more byte
-            struct.pack("<IB", fq.MAX_FRAME + 1, fq.OP_QUERY),  # oversized
-            fq.encode_query("A", HASHES) + b"trailing",  # declared length excludes these: a second bad frame
-        ]
-        codes = []
-        for frame in bad:
-            try:
-                reply: Any = _raw(path, frame)
-            except ConnectionError:
-                reply = "closed"
-            codes.append(reply if reply in (None, "closed") else reply[0])
-        assert codes[0] == fq.STATUS_CODES["INVALID_ARGUMENT"]
-        assert codes[1] == fq.STATUS_CODES["INVALID_ARGUMENT"]
-        assert codes[2] in (None, "closed")  # EOF inside a frame: the engine hangs up without an answer
-        assert codes[3] == fq.STATUS_CODES["INVALID_ARGUMENT"]
-        assert codes[4] == 0  # the first, complete frame is answered
-        assert engine.client().query("A", HASHES).hits == len(HASHES)
-        assert engine.alive()
-    finally:
-        worker.close()
+u32 = st.one_of(st.sampled_from([0, 1, U32]), st.integers(0, U32))
+u64 = st.one_of(st.sampled_from([0, 1, 2**63, U64]), st.integers(0, U64))
+memory_handles = st.one_of(
+    st.builds(pb.MemoryHandle),
+    st.builds(
+        lambda fd, offset, size: pb.MemoryHandle(shm=pb.ShmHandle(fd=fd, offset=offset, size=size)), u32, u64, u64
+    ),
+    st.builds(
+        lambda device, handle, size, offset: pb.MemoryHandle(
+            cuda=pb.CudaIpcHandle(device=device, handle=handle, storage_size=size, offset=offset)
+        ),
+        st.integers(-(2**31), 2**31 - 1),
+        st.binary(max_size=64),
+        u64,
+        u64,
+    ),
+)
+layer_specs = st.builds(
+    pb.LayerSpec,
+    name=st.text(max_size=40),
+    dtype=st.sampled_from(["", "bfloat16", "float16", "fp8_e4m3"]),
+    segment_bytes=u64,
+    segments=u32,
+    group_id=u32,
+    layout_tag=st.text(max_size=20),
+    num_blocks=u64,
+    strides=st.lists(u64, max_size=3),
+    memory=memory_handles,
+)
+register_requests = st.builds(
+    lambda templates, n, fields: pb.RegisterRequest(layers=[templates[i % len(templates)] for i in range(n)], **fields),
+    st.lists(layer_specs, min_size=1, max_size=4),
+    st.one_of(st.integers(0, 8), st.integers(0, MAX_LAYERS), st.just(MAX_LAYERS)),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "instance_id": st.text(max_size=40),
+            "namespace": st.text(max_size=40),
+            "tp_rank": u32,
+            "tp_size": u32,
+            "pp_rank": u32,
+            "world_size": u32,
+            "block_size": u32,
+        },
+    ),
+)
 
 
-@pytest.mark.process
-def test_without_lane_clients_use_grpc(engine_factory: Any) -> None:
-    engine = engine_factory("--lane-socket", "")
-    worker = _sealed_instance(engine)
-    try:
-        client: EngineClient = engine.client()
-        assert client.info().lane_socket == ""
-        q = client.query("A", HASHES)
-        assert q.hits == len(HASHES)
-        client.release("A", q.lease_id)
-        assert engine.metric("kvseal_rpc_seconds_count", method="Query", code="OK") == 1
-    finally:
-        worker.close()
+@given(register_requests)
+def test_register_frame_round_trips_and_counts_its_layers(request: pb.RegisterRequest) -> None:
+    wire = request.SerializeToString()
+    assert fq.count_layers(wire) == len(request.layers)
+    decoded = _decoded(fq.encode_register(wire))
+    assert decoded == fq.RegisterRequest(wire)
+    assert pb.RegisterRequest.FromString(decoded.body) == request
+
+
+def test_count_layers_refuses_a_million_layers_without_decoding_them() -> None:
+    """10^6 tiny layers (2 MiB: a frame the lane accepts) are refused at the 4097th layer, read from the wire format:
+    their bytes are not even valid LayerSpecs (protobuf would fail on them), and what follows the 4097th layer is
+    never looked at."""
+    not_a_layer = b"\x42\x01\xff"  # field 8, length 1, a lone 0xff: no LayerSpec parses from it
+    body = b"\x0a\x01A" + not_a_layer * 1_000_000
+    assert len(body) <= MAX_REGISTER_BYTES
+    start = time.perf_counter()
+    with pytest.raises(InvalidArgument, match=f"at most {MAX_LAYERS} layers"):
+        fq.decode_request(fq.OP_REGISTER, body)
+    assert time.perf_counter() - start < 1.0  # reads 4097 keys, not a million messages
+    past_the_limit = not_a_layer * (MAX_LAYERS + 1) + b"\x0f\x0f"  # followed by an invalid wire type
+    with pytest.raises(InvalidArgument, match=f"at most {MAX_LAYERS} layers"):
+        fq.count_layers(past_the_limit)
+    assert fq.count_layers(not_a_layer * MAX_LAYERS) == MAX_LAYERS
+    with pytest.raises(InvalidArgument, match="wire type"):
+        fq.count_layers(not_a_layer * MAX_LAYERS + b"\x0f\x0f")
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (b"\x42", "truncated varint"),  # a key, then nothing
+        (b"\x42\x05ab", "runs past the end"),  # a length longer than what follows
+        (b"\x80" * 11, "longer than 10 bytes"),
+        (b"\x0b", "wire type 3"),  # a group start: not valid in kvseal messages
+        (b"\x41\x00", "runs past the end"),  # a fixed64 field cut short
+    ],
+)
+def test_count_layers_refuses_malformed_wire_format(body: bytes, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        fq.count_layers(body)
 
 
 def test_codec_refuses_what_the_lane_cannot_carry() -> None:
@@ -172,47 +203,190 @@ def test_codec_refuses_what_the_lane_cannot_carry() -> None:
         (fq.encode_release, ("A", 2**64)),
         (fq.encode_save, (("A", -1, 0), [b"h"], [0])),
         (fq.encode_load, (("A", 0, 0), [b"h"], [0], -1)),
+        (fq.encode_unregister, (("A", 0, 2**32),)),
     ):
         with pytest.raises(fq.Unframeable, match="do not fit"):
             encode(*args)
+    with pytest.raises(fq.Unframeable, match="65535"):
+        fq.encode_hello("t" * 0x10000)
+    with pytest.raises(InvalidArgument, match="registration is"):
+        fq.encode_register(bytes(MAX_REGISTER_BYTES + 1))
+
+
+# -------------------------------------------------------------------- frame assembly
+
+frames = st.one_of(
+    st.builds(fq.encode_query, st.text(max_size=10), SAME_LENGTH_HASHES, st.integers(0, U32)),
+    st.builds(fq.encode_release, st.text(max_size=10), st.integers(0, U64)),
+    st.builds(fq.encode_unregister, WORKER_KEYS),
+    st.builds(fq.encode_hello, st.text(max_size=20)),
+    st.builds(fq.encode_register, st.binary(max_size=200)),
+    st.builds(
+        lambda op, body: struct.pack("<IB", len(body), op) + body, st.sampled_from(list(fq.FRAME_LIMITS)), st.binary()
+    ),
+)
+
+
+@given(st.lists(frames, max_size=8), st.data())
+def test_frame_buffer_gives_the_same_frames_for_any_chunking(sent: list[bytes], data: Any) -> None:
+    stream = b"".join(sent)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=12)))
+    chunks = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
+    buf = fq.FrameBuffer()
+    got = []
+    for chunk in chunks:
+        buf.feed(chunk)
+        while (frame := buf.next_frame()) is not None:
+            got.append(frame)
+    expected = [(f[4], f[5:]) for f in sent]
+    assert got == expected
+    assert len(buf) == 0
+
+
+@pytest.mark.parametrize("op", sorted(fq.FRAME_LIMITS))
+def test_frame_buffer_refuses_an_oversized_header_before_its_body(op: int) -> None:
+    limit = fq.FRAME_LIMITS[op]
+    at_limit = fq.FrameBuffer()
+    at_limit.feed(struct.pack("<IB", limit, op))
+    assert at_limit.next_frame() is None  # waits for the body, allocating nothing for it
+    assert len(at_limit) == 5
+    over = fq.FrameBuffer()
+    header = struct.pack("<IB", limit + 1, op)
+    over.feed(header[:3])
+    assert over.next_frame() is None  # half a header: nothing to judge yet
+    over.feed(header[3:])
+    with pytest.raises(InvalidArgument, match=f"exceeds its {limit}-byte limit"):
+        over.next_frame()
+
+
+@pytest.mark.parametrize("op", [0, 8, 255])
+def test_frame_buffer_refuses_an_unknown_op_from_its_header(op: int) -> None:
+    buf = fq.FrameBuffer()
+    buf.feed(struct.pack("<IB", 1, op))
+    with pytest.raises(InvalidArgument, match=f"unknown op {op}"):
+        buf.next_frame()
+
+
+# -------------------------------------------------------------------- a real engine
+
+BLOCKS, SLOT = 16, 4096
+
+
+class Owner:
+    """A worker in this process: one layer of sealed memfd memory, registered over its client's lane (its session)
+    and saved HASHES from blocks 0..7."""
+
+    def __init__(self, engine: EngineProcess) -> None:
+        self.shared = SharedArray((BLOCKS, SLOT))
+        self.shared.array[:] = np.frombuffer(os.urandom(BLOCKS * SLOT), np.uint8).reshape(BLOCKS, SLOT)
+        self.client = engine.client()
+        layer = layer_from_array(
+            "model.layers.0.self_attn.attn", self.shared.array, self.shared, layout_tag="cpu-test", dtype="bfloat16"
+        )
+        self.status = self.client.register(
+            instance_id="A",
+            namespace="lane",
+            tp_rank=0,
+            tp_size=1,
+            pp_rank=0,
+            world_size=1,
+            block_size=16,
+            layers=[layer],
+        )
+        assert self.status.sealed
+        assert self.client.save(("A", 0, 0), HASHES, list(range(len(HASHES)))).completed == len(HASHES)
+
+    def close(self) -> None:
+        self.client.close()
+        self.shared.close()
+
+
+@pytest.fixture
+def owner(engine: EngineProcess) -> Iterator[Owner]:
+    o = Owner(engine)
+    yield o
+    o.close()
+
+
+def _raw(path: str, frame: bytes) -> tuple[int, bytes] | None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(path)
+        s.sendall(frame)
+        s.shutdown(socket.SHUT_WR)  # a truncated frame then ends in EOF instead of a wait
+        return fq.read_frame(s)
 
 
 @pytest.mark.process
-def test_save_and_load_over_the_lane_match_grpc(engine: EngineProcess) -> None:
-    worker = _sealed_instance(engine)  # saved HASHES from blocks 0..7 over the lane (the worker's client)
-    try:
-        key = ("A", 0, 0)
-        lane_client, grpc_client = engine.client(), engine.client(use_lane=False)
-        assert engine.metric("kvseal_rpc_seconds_count", method="lane.Save", code="OK") == 1
-        fresh = [bytes([0xA0 + i]) * 32 for i in range(4)]
-        by_lane = lane_client.save(key, fresh[:2], [8, 9])
-        by_grpc = grpc_client.save(key, fresh[2:], [10, 11])
-        assert by_lane == by_grpc
-        assert (by_lane.written, by_lane.completed, by_lane.namespace_final) == (2, 2, worker.status.namespace_final)
-        assert lane_client.save(key, fresh, [8, 9, 10, 11]).skipped == 4
-
-        before = worker.read(list(range(12)))
-        q = lane_client.query("A", HASHES + fresh)
-        assert q.hits == 12
-        loaded = lane_client.load(key, HASHES[:6], list(range(20, 26)), lease_id=q.lease_id)
-        assert (loaded.outcome, loaded.loaded) == (pb.LoadResponse.LOADED, 6)
-        assert grpc_client.load(key, HASHES[6:] + fresh, list(range(26, 32))).loaded == 6
-        after = worker.read(list(range(20, 32)))
-        assert after == before  # every layer's bytes of blocks 20..31 are those of 0..11
-
-        missing = lane_client.load(key, [HASHES[0], b"\xee" * 32], [0, 1])
-        assert (missing.outcome, missing.loaded) == (pb.LoadResponse.MISSING, 1)
-        assert "not resident" in missing.message
-        with pytest.raises(InvalidArgument, match=r"block_ids\[1\] = 99 is out of range"):
-            lane_client.save(key, fresh[:2], [0, 99])
+def test_lane_answers_queries_like_grpc(engine: EngineProcess, owner: Owner) -> None:
+    with engine.client() as client, grpc.insecure_channel(engine.target) as channel:
+        stub = pb_grpc.EngineStub(channel)
+        path = client.info().lane_socket
+        assert path and stat.S_ISSOCK(os.stat(path).st_mode)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        probe = HASHES[:5] + [b"\xff" * 32] + HASHES[5:]
+        by_lane = client.query("A", probe)
+        by_grpc = stub.Query(pb.QueryRequest(instance_id="A", block_hashes=probe), timeout=30)
+        assert (by_lane.hits, by_lane.namespace_final, by_lane.lease_ttl_ms) == (
+            by_grpc.hits,
+            by_grpc.namespace_final,
+            by_grpc.lease_ttl_ms,
+        )
+        assert (by_lane.hits, by_lane.namespace_final) == (5, owner.status.namespace_final)
+        assert by_lane.lease_id and by_grpc.lease_id and by_lane.lease_id != by_grpc.lease_id
+        assert engine.metric("kvseal_leases") == 2
+        client.release("A", by_grpc.lease_id)  # a lease granted over one transport is released over the other
+        stub.Release(pb.ReleaseRequest(instance_id="A", lease_id=by_lane.lease_id), timeout=30)
+        assert engine.metric("kvseal_leases") == 0
+        with pytest.raises(NotFound, match="lease_id"):
+            client.release("A", by_lane.lease_id)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Release(pb.ReleaseRequest(instance_id="A", lease_id=by_grpc.lease_id), timeout=30)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
         with pytest.raises(NotFound, match="not registered"):
-            lane_client.load(("A", 5, 0), HASHES[:1], [0])
-        assert engine.metric("kvseal_rpc_seconds_count", method="lane.Load", code="OK") == 2
-        assert engine.metric("kvseal_rpc_seconds_count", method="Load", code="OK") == 1
+            client.query("nobody", HASHES)
+        assert engine.metric("kvseal_rpc_seconds_count", method="lane.Query", code="OK") == 1
+        assert engine.metric("kvseal_rpc_seconds_count", method="Query", code="OK") == 1
 
-        # hashes of unequal lengths cannot be framed: the request goes over gRPC and gets the engine's answer
-        odd = [b"\x71" * 32, b"\x72" * 16]
-        assert lane_client.save(key, odd, [0, 1]).written == 2
-        assert engine.metric("kvseal_rpc_seconds_count", method="Save", code="OK") == 2
-    finally:
-        worker.close()
+        # hashes of unequal lengths cannot be framed: the client asks over gRPC and gets the engine's answer
+        odd = client.query("A", [HASHES[0], HASHES[1][:16]])
+        assert odd.hits == 1
+        client.release("A", odd.lease_id)
+        assert engine.metric("kvseal_rpc_seconds_count", method="Query", code="OK") == 2
+        assert engine.metric("kvseal_rpc_seconds_count", method="lane.Query", code="OK") == 1
+
+
+@pytest.mark.process
+def test_lane_survives_malformed_frames(engine: EngineProcess, owner: Owner) -> None:
+    path = owner.client.info().lane_socket
+    bad: list[bytes] = [
+        struct.pack("<IB", 3, fq.OP_QUERY) + b"\x05\x00A",  # instance_id runs past the frame
+        struct.pack("<IB", 0, 9),  # unknown op, empty body
+        fq.encode_query("A", HASHES)[:-1],  # truncated: the length says one more byte
+        struct.pack("<IB", fq.MAX_FRAME + 1, fq.OP_QUERY),  # oversized
+        fq.encode_query("A", HASHES) + b"trailing",  # declared length excludes these: a second bad frame
+        fq.encode_register(b"\x0f"),  # a RegisterRequest that is not protobuf
+        fq.encode_register(pb.RegisterRequest(instance_id="B").SerializeToString()),  # parses, but says nothing
+    ]
+    codes = []
+    for frame in bad:
+        try:
+            reply: Any = _raw(path, frame)
+        except ConnectionError:
+            reply = "closed"
+        codes.append(reply if reply in (None, "closed") else reply[0])
+    invalid = fq.STATUS_CODES["INVALID_ARGUMENT"]
+    assert codes[0] == codes[1] == codes[3] == codes[5] == codes[6] == invalid
+    assert codes[2] in (None, "closed")  # EOF inside a frame: the engine hangs up without an answer
+    assert codes[4] == 0  # the first, complete frame is answered
+    assert owner.client.query("A", HASHES).hits == len(HASHES)
+    assert engine.alive()
+
+
+@pytest.mark.process
+def test_serve_refuses_to_start_without_the_lane() -> None:
+    cmd = serve_command(f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", ["--lane-socket", ""])
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode != 0
+    assert "--lane-socket" in r.stderr and "lane" in r.stderr
+    assert "Traceback" not in r.stderr, r.stderr

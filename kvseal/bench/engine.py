@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from kvseal.client import EngineClient, Session, layer_from_tensor
+from kvseal.client import EngineClient, layer_from_tensor
 from kvseal.errors import KvsealError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -220,7 +220,6 @@ def shared_kv(torch: Any, shape: tuple[int, ...], dtype: Any, rng: np.random.Gen
 @dataclass
 class Worker:
     key: tuple[str, int, int]
-    session: Session
     namespace_final: str
     page_bytes: int
 
@@ -239,9 +238,8 @@ def register(
         block_size=block_size,
         layers=specs,
     )
-    key = (instance_id, 0, 0)
-    session = client.open_session(key)
-    return Worker(key, session, status.namespace_final, status.page_bytes)
+    key = (instance_id, 0, 0)  # the client's lane connection is the worker's session
+    return Worker(key, status.namespace_final, status.page_bytes)
 
 
 def layer_names(n: int) -> list[str]:
@@ -529,7 +527,12 @@ class CpuWatch:
 def main(quick: bool = False) -> int:
     os.environ["OMP_NUM_THREADS"] = "1"
     import grpc
-    import torch
+
+    try:
+        import torch
+    except ImportError:
+        print("kvseal bench engine needs torch (its workers hold torch KV tensors): pip install -e '.[torch]'")
+        return 2
 
     torch.set_num_threads(1)
     plan = QUICK if quick else FULL
@@ -659,8 +662,6 @@ def _run(plan: Plan, tmp: Path, torch: Any, rng: np.random.Generator) -> dict[st
         result["query_p50_us"] = q_small.pct(50)
         result["query_1m_vs_1k"] = ratio
         result["bytes_per_block"] = bytes_per_block
-        for w in (w1, w2, wt):
-            w.session.close()
         client.close()
     except BaseException:
         if engine.proc.poll() is not None:
@@ -681,7 +682,6 @@ def _run(plan: Plan, tmp: Path, torch: Any, rng: np.random.Generator) -> dict[st
         print(f"  unix, grpc.health Check (floor)  {rpc_floor(sock, plan.queries).line()}")
         q_unix = query_latency(engine_u, client_u, "tiny", resident_u, plan.queries, rng)
         print(f"  unix, Query at {_count(plan.resident_small):>4} resident   {q_unix.line()}")
-        wu.session.close()
         client_u.close()
     finally:
         engine_u.stop()
