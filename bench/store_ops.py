@@ -10,9 +10,9 @@ store      BlockStore alone (no bytes move), 1 KiB pages, at 256 and 8192 blocks
              begin_load / finish_load
 stall      one Save of another size class into a pool whose only slab is full of evictable 64-byte pages: the
            whole slab (1M pages; 64k with --quick) is emptied under the engine lock
-engine     Engine.save / query / release / load with 64-byte pages from a /dev/shm worker tensor, the block lists
-           handed over as protobuf repeated fields the way the gRPC service does (copies included: one np.copyto
-           per block)
+engine     Engine.save / query / release / load with 64-byte pages from a worker's sealed memfd
+           (kvseal.memfd.SharedArray), registered through a Session as the lane does; the block lists are Python
+           lists, as the lane's decoder hands them over (copies included)
 
 Figures are medians over repetitions (best in brackets). Nothing is asserted.
 """
@@ -24,7 +24,6 @@ import gc
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -131,8 +130,8 @@ def cross_class_stall(pages: int) -> float:
     return elapsed
 
 
-def engine_ops(n: int, reps: int, tmp: str) -> Samples:
-    """Engine.save/query/release/load of n 64-byte blocks with protobuf repeated fields, as the service calls."""
+def engine_ops(n: int, reps: int) -> Samples:
+    """Engine.save/query/release/load of n 64-byte blocks of one session's worker, as the lane server calls them."""
     page = 64
     num_blocks = 2 * n
     shared = SharedArray((num_blocks * page,))
@@ -184,11 +183,10 @@ def main(quick: bool = False) -> int:
         s = store_ops(n, reps[n])
         for name in s.s:
             rows.setdefault(name, {})[n] = s.us_per_block(name, n)
-    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as tmp:
-        for n in BATCHES:
-            s = engine_ops(n, max(3, reps[n] // 4), tmp)
-            for name in s.s:
-                rows.setdefault(name, {})[n] = s.us_per_block(name, n)
+    for n in BATCHES:
+        s = engine_ops(n, max(3, reps[n] // 4))
+        for name in s.s:
+            rows.setdefault(name, {})[n] = s.us_per_block(name, n)
     print(f"{'operation':<22}" + "".join(f"{f'{n} blocks':>20}" for n in BATCHES))
     for name, by_n in rows.items():
         cells = "".join(f"{f'{by_n[n][0]:.3f} [{by_n[n][1]:.3f}]':>20}" for n in BATCHES)

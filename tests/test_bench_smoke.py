@@ -1,9 +1,11 @@
 """The benchmarks run end to end in their quick form (no speed assertions): `kvseal bench engine --quick` ends
-with a well-formed RESULT line and `bench/store_ops.py --quick` prints its table."""
+with a well-formed RESULT line, on the base install (torch cannot be imported, neither by the benchmark nor by the
+engine it starts), and `bench/store_ops.py --quick` prints its table."""
 
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,12 +26,17 @@ RESULT_KEYS = (
 
 @pytest.mark.process
 @pytest.mark.timeout(180)
-def test_quick_engine_benchmark_prints_a_result_line() -> None:
+def test_quick_engine_benchmark_prints_a_result_line(tmp_path: Path) -> None:
+    blocked = tmp_path / "no-torch" / "torch"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text('raise ImportError("torch is not part of the base install")\n')
+    path = os.pathsep.join(p for p in (str(blocked.parent), os.environ.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "kvseal", "bench", "engine", "--quick"],
         capture_output=True,
         text=True,
         timeout=170,
+        env=dict(os.environ, PYTHONPATH=path),
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     last = proc.stdout.strip().splitlines()[-1]

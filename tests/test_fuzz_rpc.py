@@ -13,7 +13,9 @@ The engine holds, from fixture setup on, a sealed instance "valid" (two layers i
 process, four resident blocks) and an instance "half" with one of its two workers registered, each registered by
 a session (lane connection) of its own. Fuzzing sessions may name them anywhere: the lane's trust model must keep
 them intact (another session's worker is PERMISSION_DENIED). Each example opens its own raw lane connection, so
-what it registers is its own session's, dropped when the example ends.
+what it registers is its own session's, dropped when the example ends; most examples start with a valid
+registration of "fz-a" (registered again on every new connection), so that what follows reaches the seal, the
+store, the copies and the leases. The bursts assert that they got that deep.
 """
 
 from __future__ import annotations
@@ -792,7 +794,7 @@ def check_engine_healthy(setup: Setup) -> None:
 def test_malformed_call_bursts(setup: Setup) -> None:
     kinds = setup.descriptors.kinds
 
-    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(
         prelude=st.one_of(preludes(), preludes(), preludes(), st.none()),
         burst=st.lists(calls(kinds), min_size=1, max_size=8),
@@ -877,8 +879,9 @@ def test_other_sessions_cannot_touch_the_owners_workers(setup: Setup) -> None:
                 reply = conn.call(frame)
                 assert reply is not None and reply[0] == denied and b"another session" in reply[1], reply
         reply = conn.call(fq.encode_query(VALID, VALID_HASHES))
-        assert reply is not None and reply[0] == 0 and fq.decode_query_ok(reply[1])[0] == 4
+        assert reply is not None and reply[0] == 0
         hits, lease_id, _, _ = fq.decode_query_ok(reply[1])
+        assert hits == 4
         assert conn.call(fq.encode_release(VALID, lease_id)) == (0, b"")
     check_engine_healthy(setup)
 

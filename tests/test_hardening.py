@@ -201,7 +201,8 @@ def call(sock: socket.socket, frame: bytes, fds: Sequence[int] = ()) -> tuple[st
     """Sends one frame (with `fds` as SCM_RIGHTS) and reads the answer: (status name, body), None at EOF."""
     if fds:
         sent = socket.send_fds(sock, [frame], list(fds))
-        sock.sendall(frame[sent:])
+        if sent < len(frame):
+            sock.sendall(frame[sent:])
     else:
         sock.sendall(frame)
     try:
@@ -814,6 +815,58 @@ def test_300_idle_connections_at_a_low_fd_limit_then_a_normal_client_succeeds(
 # -------------------------------------------------------------------- 7. headers that announce more than they send
 
 
+def test_a_header_announcing_a_large_body_allocates_nothing_and_an_oversized_one_is_refused(
+    engine: EngineProcess, tenants: Callable[..., Tenant]
+) -> None:
+    owner = tenants(engine, "A")
+    owner.save(hashes("a"))
+    path = lane_path(engine)
+    limit = ln.FRAME_LIMITS[ln.OP_SAVE]
+
+    def headers(n: int, announced: int) -> list[socket.socket]:
+        socks = [connect(path) for _ in range(n)]
+        for sock in socks:
+            sock.sendall(struct.pack("<IB", announced, ln.OP_SAVE))
+        wait_until(lambda: all(unread_bytes(s) == 0 for s in socks), WAIT_S, f"the engine to read {n} headers")
+        return socks
+
+    for sock in headers(32, 100):  # the same, announcing little: what the lane threads' first wake-ups cost
+        sock.close()
+    before = rss_bytes(engine.pid)
+    pending = headers(8, limit)
+    try:
+        assert owner.query(hashes("a")).hits == BLOCKS  # the engine answers meanwhile
+        grown = rss_bytes(engine.pid) - before
+        # 8 bodies allocated up front would be 8 x limit; a lane thread's receive buffer (1 MiB, once per thread,
+        # at most 16) is the only cost a header may add
+        assert grown < 2 * limit, f"RSS grew {grown} bytes after 8 headers announcing {limit} bytes each"
+        assert not any(closed_now(s) for s in pending)  # a body at the limit is still awaited
+
+        # a header is enough for the engine to read a body incrementally: the rest arrives later, is answered
+        with connect(path) as sock:
+            frame = ln.encode_query("A", hashes("a"))
+            sock.sendall(frame[:5])
+            wait_until(lambda: unread_bytes(sock) == 0, WAIT_S, "the engine to read the header")
+            sock.sendall(frame[5:])
+            reply = call_reply(sock)
+            assert reply is not None and reply[0] == "OK"
+            assert ln.decode_query_ok(reply[1])[0] == BLOCKS
+    finally:
+        for sock in pending:
+            sock.close()
+
+    for op, announced in ((ln.OP_SAVE, 64 << 20), (ln.OP_REGISTER, ln.FRAME_LIMITS[ln.OP_REGISTER] + 1)):
+        for announced_op in (op, ln.OP_HELLO):
+            with connect(path) as sock:
+                size = announced if announced_op == op else ln.FRAME_LIMITS[ln.OP_HELLO] + 1
+                reply = call(sock, struct.pack("<IB", size, announced_op))
+                assert reply is not None and reply[0] == "INVALID_ARGUMENT", reply
+                assert f"frame of {size} bytes exceeds its" in reply[1].decode()
+                assert hung_up(sock)
+    assert owner.query(hashes("a")).hits == BLOCKS
+    assert engine.alive()
+
+
 def test_descriptors_sent_beyond_one_frames_limit_are_refused(engine: EngineProcess) -> None:
     """A frame carries at most MAX_FDS descriptors: a client that keeps sending descriptors with the pieces of one
     frame must not make the engine hold them all (its descriptor table is every tenant's)."""
@@ -1005,6 +1058,31 @@ def test_idle_connections_without_a_registration_are_closed(
         half_frame.close()
     assert owner.client.session_alive()
     assert owner.save(hashes("a")).completed == BLOCKS
+
+
+def test_connection_cap_evicts_idle_connections_and_refuses_beyond_registered_ones(
+    engine_factory: Callable[..., EngineProcess], tenants: Callable[..., Tenant]
+) -> None:
+    engine = engine_factory("--lane-max-connections", "3")
+    first = tenants(engine, "A")
+    path = lane_path(engine)
+    idle = connect(path)
+    second = tenants(engine, "B")  # three connections: at the cap, nobody waiting
+    try:
+        evicted_at_the_cap = closed_now(idle)
+        third = tenants(engine, "C")  # the fourth: the idle connection makes room for it
+        wait_until(lambda: closed_now(idle), WAIT_S, "the idle connection to make room for C")
+    finally:
+        idle.close()
+    assert not evicted_at_the_cap, "an idle connection was closed when the cap was reached with nobody waiting"
+    with connect(path) as sock:  # three sessions hold registrations: the next is told why and closed
+        reply = call_reply(sock)
+        assert reply is not None and reply[0] == "RESOURCE_EXHAUSTED" and b"cap" in reply[1], reply
+        assert hung_up(sock)
+    for t in (first, second, third):
+        assert t.client.session_alive()
+        assert t.save(hashes(t.key[0])).completed == BLOCKS
+    assert any("connection cap" in line for line in error_lines(engine))
 
 
 # -------------------------------------------------------------------- 11. soak: an oversubscribed pool

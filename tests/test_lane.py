@@ -388,5 +388,5 @@ def test_serve_refuses_to_start_without_the_lane() -> None:
     cmd = serve_command(f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", ["--lane-socket", ""])
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert r.returncode != 0
-    assert "--lane-socket" in r.stderr and "lane" in r.stderr
+    assert "--lane-socket" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr

@@ -1,6 +1,8 @@
-"""Engine benchmark: a real `kvseal serve` subprocess driven through EngineClient (gRPC for Register and Session,
-the local lane for Query, Release, Save and Load), the way a vLLM worker and scheduler drive it. Every speed is
-printed next to a ceiling measured in the same run; nothing is asserted.
+"""Engine benchmark: a real `kvseal serve` subprocess driven through EngineClient (the local lane for Register, Save,
+Load, Query and Release, the lane connection being the worker's session; gRPC for Info), the way a vLLM worker and
+scheduler drive it. Every speed is printed next to a ceiling measured in the same run; nothing is asserted. It needs
+only the base install (numpy, no torch): the worker's KV memory is sealed memfds (kvseal.memfd.SharedArray) holding
+bf16 data as 8-byte words, registered with dtype "bfloat16".
 
     memcpy     np.copyto of one batch's bytes between two pre-faulted buffers (from DRAM, not cache), 1 thread,
                re-measured before every repetition, best kept
@@ -17,7 +19,7 @@ printed next to a ceiling measured in the same run; nothing is asserted.
                call
     metadata   engine VmRSS growth per resident block while 1M tiny (64-byte) pages fill a pre-faulted pool
 
-The worker side (this process) and the engine run single-threaded (torch.set_num_threads(1), OMP_NUM_THREADS=1).
+The worker side (this process) and the engine run single-threaded (numpy copies; OMP_NUM_THREADS=1 for both).
 The last line is machine-readable:
 
     RESULT save_gbps=... load_gbps=... memcpy_gbps=... save_ratio=... load_ratio=... query_p50_us=...
@@ -47,8 +49,9 @@ from typing import Any
 
 import numpy as np
 
-from kvseal.client import EngineClient, layer_from_tensor
+from kvseal.client import EngineClient, layer_from_array
 from kvseal.errors import KvsealError
+from kvseal.memfd import SharedArray
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 HASH_BYTES = 32  # vLLM's sha256 block hashes
@@ -203,18 +206,25 @@ class Hashes:
         return [p + i.to_bytes(16, "big") for i in range(start, start + n)]
 
 
-def shared_kv(torch: Any, shape: tuple[int, ...], dtype: Any, rng: np.random.Generator) -> Any:
-    """A CPU KV allocation moved to shared memory and filled: a random pattern with each (layer, block)'s first
-    and last 8 bytes made unique, so a misplaced block or layer shows in the round-trip check."""
-    kv = torch.empty(shape, dtype=dtype)
-    kv.share_memory_()
-    layers, blocks = (shape[0], shape[1]) if len(shape) > 2 else (1, shape[0])  # [blocks, elems]: one layer
-    words = kv.view(torch.int64).numpy().reshape(layers, blocks, -1)
-    words[...] = rng.integers(-(1 << 62), 1 << 62, size=words.shape[2], dtype=np.int64)
-    ids = np.arange(words.shape[0] * words.shape[1], dtype=np.int64).reshape(words.shape[:2])
-    words[:, :, 0] = ids
-    words[:, :, -1] = ids * 7919 + 1
-    return kv
+class SharedKV:
+    """A worker's KV allocation in one sealed memfd: [layers, num_blocks, words] of 8-byte words (the bytes of bf16
+    [kv_heads, block_size, 2*head_dim] blocks), filled with a random pattern with each (layer, block)'s first and
+    last word made unique, so a misplaced block or layer shows in the round-trip check. `layer(i)` is layer i's
+    [num_blocks, words] view, which is what gets registered."""
+
+    def __init__(self, layers: int, num_blocks: int, block_bytes: int, rng: np.random.Generator) -> None:
+        self.shared = SharedArray((layers, num_blocks, block_bytes // 8), np.int64)
+        self.words = self.shared.array
+        self.words[...] = rng.integers(-(1 << 62), 1 << 62, size=self.words.shape[2], dtype=np.int64)
+        ids = np.arange(layers * num_blocks, dtype=np.int64).reshape(layers, num_blocks)
+        self.words[:, :, 0] = ids
+        self.words[:, :, -1] = ids * 7919 + 1
+
+    def layer(self, i: int) -> np.ndarray:
+        return self.words[i]
+
+    def close(self) -> None:
+        self.shared.close()
 
 
 @dataclass
@@ -224,10 +234,11 @@ class Worker:
     page_bytes: int
 
 
-def register(
-    client: EngineClient, instance_id: str, layers: Sequence[Any], block_size: int, names: Sequence[str]
-) -> Worker:
-    specs = [layer_from_tensor(n, t, layout_tag=LAYOUT_TAG) for n, t in zip(names, layers, strict=True)]
+def register(client: EngineClient, instance_id: str, kv: SharedKV, block_size: int, names: Sequence[str]) -> Worker:
+    specs = [
+        layer_from_array(name, kv.layer(i), kv.shared, layout_tag=LAYOUT_TAG, dtype="bfloat16")
+        for i, name in enumerate(names)
+    ]
     status = client.register(
         instance_id=instance_id,
         namespace=f"bench-{instance_id}",
@@ -326,11 +337,10 @@ class CopyFigures:
 
 
 def copy_case(
-    torch: Any,
     engine: EngineProcess,
     client: EngineClient,
     worker: Worker,
-    kv: Any,
+    kv: SharedKV,
     hashes: Hashes,
     batch: int,
     reps: int,
@@ -344,12 +354,12 @@ def copy_case(
     fig.memcpy_s.append(memcpy.seconds(fig.nbytes, memcpy_reps))
     src_ids, dst_ids = list(range(batch)), list(range(batch, 2 * batch))
     # warm-up: faults the engine's mapping of both block ranges in and checks a byte-exact round trip
-    words = kv.view(torch.int64)
-    words[:, batch : 2 * batch].fill_(0)
+    words = kv.words
+    words[:, batch : 2 * batch] = 0
     h = hashes.take(batch)
     client.save(worker.key, h, src_ids)
     client.load(worker.key, h, dst_ids)
-    fig.check = "ok" if torch.equal(words[:, :batch], words[:, batch : 2 * batch]) else "MISMATCH"
+    fig.check = "ok" if np.array_equal(words[:, :batch], words[:, batch : 2 * batch]) else "MISMATCH"
     m0 = engine.metrics()
     for _ in range(reps):
         h = hashes.take(batch)
@@ -528,29 +538,22 @@ def main(quick: bool = False) -> int:
     os.environ["OMP_NUM_THREADS"] = "1"
     import grpc
 
-    try:
-        import torch
-    except ImportError:
-        print("kvseal bench engine needs torch (its workers hold torch KV tensors): pip install -e '.[torch]'")
-        return 2
-
-    torch.set_num_threads(1)
     plan = QUICK if quick else FULL
     rng = np.random.default_rng(20261202)
     watch = CpuWatch()
     print(f"kvseal engine benchmark ({plan.name})")
     print(
-        f"  python {platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}, "
+        f"  python {platform.python_version()}, numpy {np.__version__}, "
         f"grpcio {grpc.__version__}; {_cpu_model()}, {os.cpu_count()} CPUs; load average "
         f"{' '.join(Path('/proc/loadavg').read_text().split()[:3])}"
     )
     print(
-        f"  env: OMP_NUM_THREADS=1 (set here and for the engine), torch threads {torch.get_num_threads()}, "
+        f"  env: OMP_NUM_THREADS=1 (set here and for the engine), "
         f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '<unset>')} (left as is)"
     )
     with tempfile.TemporaryDirectory(prefix="kvseal-bench-") as tmp:
         try:
-            result = _run(plan, Path(tmp), torch, rng)
+            result = _run(plan, Path(tmp), rng)
         except (KvsealError, RuntimeError, OSError) as e:
             print(f"benchmark failed: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
@@ -570,18 +573,27 @@ def main(quick: bool = False) -> int:
     return 0
 
 
-def _run(plan: Plan, tmp: Path, torch: Any, rng: np.random.Generator) -> dict[str, float]:
-    result: dict[str, float] = {}
-    hashes = Hashes()
-    case2_max = max(plan.case2_batches)
-    memcpy = Memcpy(max(plan.case1_blocks * 128 * KiB, case2_max * 2 * MiB))
-
+def _run(plan: Plan, tmp: Path, rng: np.random.Generator) -> dict[str, float]:
     # worker KV memory, per layer [num_blocks, kv_heads, block_size, 2*head_dim] bf16, all layers views of one
     # allocation: case 1 = 4 layers x [., 4, 16, 256] (32 KiB slots, 128 KiB pages); case 2 = 32 layers x
-    # [., 8, 16, 256] (64 KiB slots, 2 MiB pages); tiny = 1 layer x 64 bytes
-    kv1 = shared_kv(torch, (4, 2 * plan.case1_blocks, 4, 16, 256), torch.bfloat16, rng)
-    kv2 = shared_kv(torch, (32, 2 * case2_max, 8, 16, 256), torch.bfloat16, rng)
-    tiny = shared_kv(torch, (TINY_BLOCKS, 32), torch.bfloat16, rng)
+    # [., 8, 16, 256] (64 KiB slots, 2 MiB pages); tiny = 1 layer x 64 bytes ([., 32] bf16)
+    bf16 = 2
+    kv1 = SharedKV(4, 2 * plan.case1_blocks, 4 * 16 * 256 * bf16, rng)
+    kv2 = SharedKV(32, 2 * max(plan.case2_batches), 8 * 16 * 256 * bf16, rng)
+    tiny = SharedKV(1, TINY_BLOCKS, 32 * bf16, rng)
+    try:
+        return _measure(plan, tmp, rng, kv1, kv2, tiny)
+    finally:
+        for kv in (kv1, kv2, tiny):
+            kv.close()
+
+
+def _measure(
+    plan: Plan, tmp: Path, rng: np.random.Generator, kv1: SharedKV, kv2: SharedKV, tiny: SharedKV
+) -> dict[str, float]:
+    result: dict[str, float] = {}
+    hashes = Hashes()
+    memcpy = Memcpy(max(plan.case1_blocks * 128 * KiB, max(plan.case2_batches) * 2 * MiB))
 
     http_port = free_port()
     engine = EngineProcess(tmp, "engine-tcp", f"127.0.0.1:{free_port()}", http_port, plan.pool_bytes)
@@ -592,16 +604,16 @@ def _run(plan: Plan, tmp: Path, torch: Any, rng: np.random.Generator) -> dict[st
             f"engine: pid {engine.pid}, gRPC {engine.target}, HTTP 127.0.0.1:{http_port}, pool "
             f"{_size(plan.pool_bytes)} pre-faulted, ready in {ready:.2f} s (VmRSS {_size(engine.rss()['VmRSS'])})"
         )
-        w1 = register(client, "case1", [kv1[i] for i in range(4)], 16, layer_names(4))
-        w2 = register(client, "case2", [kv2[i] for i in range(32)], 16, layer_names(32))
-        wt = register(client, "tiny", [tiny], 16, layer_names(1))
+        w1 = register(client, "case1", kv1, 16, layer_names(4))
+        w2 = register(client, "case2", kv2, 16, layer_names(32))
+        wt = register(client, "tiny", tiny, 16, layer_names(1))
         print(
             f"registered: {w1.namespace_final} ({_size(w1.page_bytes)} pages), {w2.namespace_final} "
             f"({_size(w2.page_bytes)} pages), {wt.namespace_final} ({wt.page_bytes} B pages)"
         )
         print()
 
-        args = (torch, engine, client)
+        args = (engine, client)
         fig1 = copy_case(*args, w1, kv1, hashes, plan.case1_blocks, plan.case1_reps, memcpy, plan.memcpy_reps, "case 1")
         print_copy(fig1, plan.case1_reps, "4 layers x 32 KiB slots")
         figs2 = []
@@ -676,7 +688,7 @@ def _run(plan: Plan, tmp: Path, torch: Any, rng: np.random.Generator) -> dict[st
     try:
         client_u = EngineClient(sock, timeout=60)
         engine_u.wait_ready(client_u)
-        wu = register(client_u, "tiny", [tiny], 16, layer_names(1))
+        wu = register(client_u, "tiny", tiny, 16, layer_names(1))
         resident_u: list[bytes] = []
         fill(client_u, wu, hashes, plan.resident_small, plan.fill_batch, resident_u)
         print(f"  unix, grpc.health Check (floor)  {rpc_floor(sock, plan.queries).line()}")

@@ -166,9 +166,6 @@ class LaneServer:
     def _accept(self) -> None:
         try:
             while True:
-                if self.connections() >= self.max_connections:
-                    self._no_room("the connection cap", "the engine's lane is at its connection cap")
-                    break
                 try:
                     sock, _ = self._sock.accept()
                 except BlockingIOError:
@@ -178,6 +175,14 @@ class LaneServer:
                         raise
                     self._no_room("no file descriptors left (EMFILE)", "the engine is out of file descriptors")
                     break
+                if self.connections() >= self.max_connections and not self._make_room("the connection cap"):
+                    with sock:  # nothing can make room: the newcomer gets an answer, not a hang
+                        sock.setblocking(False)
+                        try:
+                            sock.send(lane.encode_error("RESOURCE_EXHAUSTED", "the engine's lane is at its cap"))
+                        except OSError:
+                            pass
+                    continue
                 self._add(sock)
         finally:
             if not self._closing:
@@ -259,8 +264,8 @@ class LaneServer:
             data = buf[:n]
             for level, kind, payload in ancdata:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    n = len(payload) // 4
-                    conn.fds.extend(struct.unpack(f"{n}i", payload[: 4 * n]))
+                    count = len(payload) // 4
+                    conn.fds.extend(struct.unpack(f"{count}i", payload[: 4 * count]))
             if flags & socket.MSG_CTRUNC or len(conn.fds) > lane.MAX_FDS:
                 _send(conn.sock, lane.encode_error("INVALID_ARGUMENT", f"more than {lane.MAX_FDS} descriptors"))
                 return False
