@@ -3,7 +3,7 @@
 Every test runs real `kvseal serve` processes. Attacks by another user run in a fresh interpreter that drops to
 nobody:nogroup (uid/gid 65534) *after* its imports (`as_nobody`: the interpreter may live where nobody cannot read,
 e.g. under /root); the functions named `attack_*` below are what that process runs, and what they return (JSON) is
-what the test asserts on. Those tests need root (CI runs as root) and are skipped otherwise.
+what the test asserts on. Those tests need root (CI runs as root) and fail otherwise.
 
 Workers here are mostly in-process `Tenant`s (one layer of sealed memfd memory, registered over their own lane
 connection, i.e. their own session) or raw lane connections speaking kvseal.lane frames; one test uses a
@@ -61,7 +61,13 @@ BLOCKS, SLOT = 8, 4096  # a Tenant's memory: BLOCKS blocks of one SLOT-byte slot
 WAIT_S = 30.0
 LOADED = pb.LoadResponse.LOADED
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="drops to uid 65534 in a subprocess: needs root (as in CI)")
+needs_root = pytest.mark.usefixtures("as_root")
+
+
+@pytest.fixture
+def as_root() -> None:
+    """These tests drop a child to uid 65534: a run without root must fail them, not skip them."""
+    assert os.geteuid() == 0, "run the suite as root (CI does): these tests drop a child to uid 65534"
 
 
 def hashes(tag: str, n: int = BLOCKS) -> list[bytes]:
