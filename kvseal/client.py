@@ -10,8 +10,10 @@
 A worker's calls go over the engine's local lane (kvseal.lane), a unix socket whose path the `Info` RPC names:
 the KV memory travels there as file descriptors, and the lane connection is the worker's session — what this client
 registered lives exactly as long as that connection (`session_alive()`; closing the client ends it). Queries and
-releases fall back to gRPC when the lane cannot carry them. Every call has a deadline (`timeout`): an engine that
-does not answer in time raises DeadlineExceeded, never hangs the caller.
+releases fall back to gRPC when the lane cannot carry them. The lane's server must run as root, as this process's
+user or as `engine_uid` (the kernel names it, SO_PEERCRED): anyone else who took the engine's port or socket path
+while it was down would be handed this worker's KV memory, so the client refuses (PermissionDenied). Every call has
+a deadline (`timeout`): an engine that does not answer in time raises DeadlineExceeded, never hangs the caller.
 
 Errors arrive as kvseal.errors exceptions (InvalidArgument, FailedPrecondition, NotFound, PermissionDenied,
 Unavailable, DeadlineExceeded …) whose message is the engine's.
@@ -19,8 +21,10 @@ Unavailable, DeadlineExceeded …) whose message is the engine's.
 
 from __future__ import annotations
 
+import os
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +34,7 @@ import grpc
 import numpy as np
 
 from kvseal import lane as ln
-from kvseal.errors import DeadlineExceeded, KvsealError, Unavailable, error_for_status
+from kvseal.errors import DeadlineExceeded, KvsealError, PermissionDenied, Unavailable, error_for_status
 from kvseal.memfd import SharedArray, SharedRegion, share_storage
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
@@ -46,8 +50,11 @@ class EngineClient:
         token: str | None = None,
         timeout: float = 30.0,
         lane_spin_us: int = 1000,
+        engine_uid: int | None = None,
     ) -> None:
-        """`lane_spin_us`: Query and Release poll for the engine's answer for up to this long before their thread
+        """`engine_uid`: the user the engine runs as, when neither root nor this process's user.
+
+        `lane_spin_us`: Query and Release poll for the engine's answer for up to this long before their thread
         sleeps in recv. A sleeping thread costs a wake-up when the answer comes (~0.1 ms on these VMs, most of a
         query); polling costs the caller's CPU while it waits anyway. Save and Load (milliseconds) sleep. 0 = off."""
         self.target = target
@@ -63,6 +70,7 @@ class EngineClient:
         self._session_lane: _Lane | None = None  # the connection that carried the last registration
         self._lane_lock = threading.Lock()
         self._lane_spin_s = lane_spin_us / 1e6
+        self._engine_uids = {0, os.getuid()} | ({engine_uid} if engine_uid is not None else set())
 
     def close(self) -> None:
         if self._lane is not None:
@@ -179,7 +187,7 @@ class EngineClient:
                 path = self.info().lane_socket
                 if not path:
                     raise Unavailable(f"the engine at {self.target} announces no local lane")
-                self._lane = _Lane(path, self.timeout, self._token)
+                self._lane = _Lane(path, self.timeout, self._token, self._engine_uids)
             return self._lane
 
 
@@ -188,7 +196,7 @@ class _Lane:
     the OK body or raises the engine's error; a connection that failed (deadline, engine gone) is closed and marked
     broken, and every registration it carried is gone with it."""
 
-    def __init__(self, path: str, timeout: float, token: str | None) -> None:
+    def __init__(self, path: str, timeout: float, token: str | None, engine_uids: set[int]) -> None:
         self.path = path
         self.timeout = timeout
         self.broken = False
@@ -202,6 +210,14 @@ class _Lane:
             if isinstance(e, TimeoutError):
                 raise DeadlineExceeded(f"the engine's lane {path!r} did not accept within {timeout}s") from None
             raise Unavailable(f"the engine's lane {path!r} is unreachable: {e.strerror or e}") from None
+        _, uid, _ = struct.unpack("3i", self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        if uid not in engine_uids:
+            self._break()
+            raise PermissionDenied(
+                f"the lane {path!r} is served by uid {uid}, not by root, this user or the engine_uid given: "
+                "refusing to send KV memory there (if the engine runs as that user, pass engine_uid / "
+                "kvseal.engine_uid)"
+            )
         if token is not None:
             self.call(ln.encode_hello(token))
 

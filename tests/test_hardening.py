@@ -437,6 +437,51 @@ def test_another_user_cannot_register_memory_it_cannot_open_nor_touch_roots_inst
     assert engine.alive()
 
 
+def attack_shared_namespace(target: str, root_hashes: list[str], plant_hashes: list[str]) -> dict[str, Any]:
+    with EngineClient(target, timeout=30) as client:
+        spy = Tenant(client, "nobody-N", seed=99)
+        out: dict[str, Any] = {"namespace_final": spy.status.namespace_final}
+        probe = [bytes.fromhex(h) for h in root_hashes]
+        out["query root's hashes"] = outcome(lambda: spy.query(probe).hits)
+        out["load root's hashes"] = outcome(lambda: spy.load(probe, list(range(len(probe)))).loaded)
+        out["plant"] = outcome(lambda: spy.save([bytes.fromhex(h) for h in plant_hashes]).completed)
+        out["planted"] = [digest(spy.block(i)) for i in range(len(plant_hashes))]
+        spy.shared.close()
+        return out
+
+
+@needs_root
+def test_users_do_not_share_blocks(
+    engine_factory: Callable[..., EngineProcess], tenants: Callable[..., Tenant]
+) -> None:
+    """Two users' instances of the same model and layout must not read or plant each other's blocks: a block
+    hash is computable from the tokens, so a shared namespace would let another user test whether root's
+    tenants saw a prompt and read its KV (which encodes it), or plant KV that root's instances then load."""
+    engine = engine_factory("--lane-group", nogroup())
+    owner = tenants(engine, "root-S")
+    assert owner.save(ROOT_HASHES).completed == BLOCKS
+    plant = hashes("plant")
+    out = as_nobody(
+        "shared_namespace",
+        target=engine.target,
+        root_hashes=[h.hex() for h in ROOT_HASHES],
+        plant_hashes=[h.hex() for h in plant],
+    )
+    assert out["plant"][0] == "OK", out
+    reader = tenants(engine, "root-R", seed=5)
+    q = reader.query(plant)
+    loaded = []
+    if q.hits:
+        reader.load(plant[: q.hits], list(range(q.hits)), q.lease_id)
+        loaded = [digest(reader.block(i)) for i in range(q.hits)]
+    assert not set(loaded) & set(out["planted"]), "root's instance loaded KV that another user saved"
+    assert out["query root's hashes"] == ["OK", 0], f"another user found root's blocks: {out}"
+    assert out["load root's hashes"][1] != BLOCKS, f"another user loaded root's blocks: {out}"
+    assert out["namespace_final"] == owner.status.namespace_final  # same model and layout: only the user differs
+    tenants_of = {(n["namespace"], n["uid"]): n["resident_blocks"] for n in engine.get_json("/v1/namespaces")}
+    assert tenants_of == {(owner.status.namespace_final, 0): BLOCKS, (owner.status.namespace_final, 65534): BLOCKS}
+
+
 def attack_tokenless_tcp(target: str, http: str, root_sealed: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with grpc.insecure_channel(target) as channel:
@@ -465,6 +510,22 @@ def test_another_user_over_tokenless_tcp_grpc_is_refused(
     for call_name in ("Query root", "Release root", "Query unknown"):
         assert out[call_name][0] == "PERMISSION_DENIED", (call_name, out)
     assert engine.metric("kvseal_leases") == 0  # no lease was granted to nobody
+
+
+@needs_root
+def test_clients_hand_memory_only_to_an_engine_run_by_a_user_they_trust(
+    engine_factory: Callable[..., EngineProcess],
+) -> None:
+    """Anyone may take the engine's port and lane path while it is down. Here an engine run by uid 65534 stands for
+    that impostor: a root client refuses to register with it (no descriptor is sent), unless told it is the
+    engine's user."""
+    impostor = engine_factory(wrapper=("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"))
+    with impostor.client(timeout=30) as client:
+        with pytest.raises(PermissionDenied, match="served by uid 65534"):
+            Tenant(client, "root-T", seed=1)
+    assert impostor.get_json("/v1/instances") == []
+    with impostor.client(timeout=30, engine_uid=65534) as client:
+        assert Tenant(client, "root-T", seed=1).status.sealed
 
 
 @needs_root
@@ -497,19 +558,6 @@ def test_default_lane_socket_is_for_the_engines_user_only(engine_factory: Callab
     assert out["connect"][0] == "EACCES", out
     status, message = out["register"]
     assert status == "UNAVAILABLE" and "Permission denied" in message, out
-
-
-def attack_shared_namespace(target: str, root_hashes: list[str], plant_hashes: list[str]) -> dict[str, Any]:
-    with EngineClient(target, timeout=30) as client:
-        spy = Tenant(client, "nobody-N", seed=99)
-        out: dict[str, Any] = {"namespace_final": spy.status.namespace_final}
-        probe = [bytes.fromhex(h) for h in root_hashes]
-        out["query root's hashes"] = outcome(lambda: spy.query(probe).hits)
-        out["load root's hashes"] = outcome(lambda: spy.load(probe, list(range(len(probe)))).loaded)
-        out["plant"] = outcome(lambda: spy.save([bytes.fromhex(h) for h in plant_hashes]).completed)
-        out["planted"] = [digest(spy.block(i)) for i in range(len(plant_hashes))]
-        spy.shared.close()
-        return out
 
 
 # -------------------------------------------------------------------- 2. a symlink swapped during Register

@@ -160,6 +160,10 @@ def test_resaving_a_sealed_hash_is_skipped(clock: FakeClock) -> None:
     assert store.namespace("m.x", TP1) == ns
     dedup = store.begin_save(ns, TP1, [h(1), h(2), h(3)], 1)
     assert dedup.entries == [] and dedup.skipped == 3
+    # another tenant's namespace of the same name and layout shares nothing: its query misses, its save writes
+    other = store.namespace("m.x", TP1, tenant=1000)
+    assert other != ns and store.query(other, TP1, [h(1)], owner="o", shares=1, ttl_s=1).hits == 0
+    assert len(store.begin_save(other, TP1, [h(1)], 1).entries) == 1
     check(store)
 
 

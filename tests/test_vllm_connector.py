@@ -283,3 +283,16 @@ def test_timeout_s_sets_every_calls_deadline(v: types.SimpleNamespace) -> None:
             v.connector.KVSealConnector(
                 _vllm_config(v, **{"kvseal.timeout_s": bad}), v.KVConnectorRole.SCHEDULER, _one_group(v)
             )
+
+
+def test_engine_uid_names_the_engines_user_by_uid_or_name(v: types.SimpleNamespace) -> None:
+    for value, uid in (("65534", 65534), (65534, 65534), ("nobody", 65534), ("root", 0)):
+        connector = v.connector.KVSealConnector(
+            _vllm_config(v, **{"kvseal.engine_uid": value}), v.KVConnectorRole.SCHEDULER, _one_group(v)
+        )
+        assert uid in connector.client._engine_uids
+        connector.shutdown()
+    with pytest.raises(ValueError, match="kvseal.engine_uid must be a uid or a user name of this machine"):
+        v.connector.KVSealConnector(
+            _vllm_config(v, **{"kvseal.engine_uid": "no-such-user"}), v.KVConnectorRole.SCHEDULER, _one_group(v)
+        )

@@ -58,6 +58,7 @@ PAGE_TABLE_CHUNK = 4096  # page ids the page table grows by when none is free
 class NamespaceStats:
     namespace_final: str
     layout_id: int
+    tenant: int = 0  # whose blocks these are: the same final namespace of two tenants shares nothing
     index: dict[bytes, int] = field(default_factory=dict, repr=False)  # block hash -> page id (inflight or sealed)
     resident_blocks: int = 0
     resident_bytes: int = 0
@@ -188,7 +189,7 @@ class BlockStore:
         self._layouts: list[Layout] = []
         self._layout_ids: dict[bytes, int] = {}
         self._namespaces: list[NamespaceStats] = []
-        self._namespace_ids: dict[str, int] = {}
+        self._namespace_ids: dict[tuple[int, str], int] = {}
         self._inflight: dict[int, int] = {}  # inflight page id -> cells written so far
         self._inflight_deadline: dict[int, float] = {}  # the same pages -> when one without writers is reclaimed
         self._leases: dict[int, Lease] = {}
@@ -207,17 +208,19 @@ class BlockStore:
 
     # ---------------------------------------------------------------- namespaces and layouts
 
-    def namespace(self, namespace_final: str, layout: Layout) -> int:
-        """The id of a final namespace, created on first use. The first layout seen under a namespace is the one
-        it holds; a different layout under the same name (a fingerprint collision) gets its pages refused."""
-        ns_id = self._namespace_ids.get(namespace_final)
+    def namespace(self, namespace_final: str, layout: Layout, tenant: int = 0) -> int:
+        """The id of a tenant's final namespace, created on first use. The first layout seen under a namespace is
+        the one it holds; a different layout under the same name (a fingerprint collision) gets its pages refused.
+        Tenants never share a namespace: one could otherwise read another's prompts by hash, or poison them."""
+        key = (tenant, namespace_final)
+        ns_id = self._namespace_ids.get(key)
         if ns_id is None:
             layout_id = self._layout_ids.setdefault(layout.digest, len(self._layouts))
             if layout_id == len(self._layouts):
                 self._layouts.append(layout)
             ns_id = len(self._namespaces)
-            self._namespaces.append(NamespaceStats(namespace_final, layout_id))
-            self._namespace_ids[namespace_final] = ns_id
+            self._namespaces.append(NamespaceStats(namespace_final, layout_id, tenant))
+            self._namespace_ids[key] = ns_id
         return ns_id
 
     def namespace_stats(self) -> list[tuple[NamespaceStats, Layout]]:

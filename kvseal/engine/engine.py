@@ -5,7 +5,9 @@ Who may do what (the trust model, enforced here): every call names its caller. A
 that session: another session's Save, Load, Unregister or re-Register of it is refused (PERMISSION_DENIED) while the
 session lives, and everything goes when the session ends. An instance belongs to the uid of its first worker: its
 other workers must have that uid, and only that uid or a privileged `Peer` (the engine's own user, root, a token
-holder) may query it or release its leases.
+holder) may query it or release its leases. Blocks are shared only within one tenant: the instances of one uid
+(the engine's own user and root count as one tenant), so no user can read another's prompts by probing hashes, nor
+plant blocks another user then loads.
 
 Thread model: lane and gRPC handlers call these methods concurrently. Book-keeping (registry, store) happens under
 `_lock`; copies happen outside it on pages the store keeps alive for the copy (inflight for saves, pinned for
@@ -194,7 +196,7 @@ class Engine:
             inst.workers = workers
             session.workers.add((reg.instance_id, *reg.key))
             if sealed is not None:
-                inst.ns_id = self.store.namespace(sealed.namespace_final, sealed.layout)
+                inst.ns_id = self.store.namespace(sealed.namespace_final, sealed.layout, _tenant(inst.uid))
                 for key, w in workers.items():
                     w.copier = copiers[key]
                     w.cell_mask = sealed.cell_mask(key)
@@ -458,6 +460,7 @@ class Engine:
                     {
                         "namespace": final,
                         "client_namespace": final.rsplit(".", 1)[0],
+                        "uid": ns.tenant,
                         "fingerprint": layout.fingerprint,
                         "digest": layout.digest.hex(),
                         "block_size": layout.block_size,
@@ -486,6 +489,12 @@ class Engine:
 
 def _same_user(peer: Peer) -> bool:
     return peer.uid in (os.getuid(), 0)
+
+
+def _tenant(uid: int | None) -> int:
+    """Whose blocks an instance's are: its owner's uid, with root and the engine's own user as one tenant."""
+    assert uid is not None  # instances are registered over the lane, where the kernel names the uid
+    return os.getuid() if uid in (os.getuid(), 0) else uid
 
 
 def _check_access(inst: _Instance, peer: Peer) -> None:

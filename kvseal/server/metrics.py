@@ -37,14 +37,16 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "kvseal_inflight_reclaimed", "Incomplete pages reclaimed after the timeout", value=st.inflight_reclaimed
         )
-        hits = CounterMetricFamily("kvseal_hits", "Blocks found by queries", labels=["namespace"])
-        misses = CounterMetricFamily("kvseal_misses", "Blocks queried and not found", labels=["namespace"])
-        refusals = CounterMetricFamily("kvseal_refusals", "Loads refused, by reason", labels=["namespace", "reason"])
+        labels = ["namespace", "uid"]  # one final namespace of two users is two namespaces (they share nothing)
+        hits = CounterMetricFamily("kvseal_hits", "Blocks found by queries", labels=labels)
+        misses = CounterMetricFamily("kvseal_misses", "Blocks queried and not found", labels=labels)
+        refusals = CounterMetricFamily("kvseal_refusals", "Loads refused, by reason", labels=[*labels, "reason"])
         for ns in self.engine.namespaces():
-            hits.add_metric([ns["namespace"]], ns["hits"])
-            misses.add_metric([ns["namespace"]], ns["misses"])
+            key = [ns["namespace"], str(ns["uid"])]
+            hits.add_metric(key, ns["hits"])
+            misses.add_metric(key, ns["misses"])
             for reason, n in ns["refused"].items():
-                refusals.add_metric([ns["namespace"], reason], n)
+                refusals.add_metric([*key, reason], n)
         yield hits
         yield misses
         yield refusals

@@ -5,7 +5,9 @@
 
 Extra config: `kvseal.engine` (gRPC target, default 127.0.0.1:50055), `kvseal.namespace` (default: the model's
 identity, kvseal.vllm.identity), `kvseal.mode` (read_write | save_only | load_only), `kvseal.token`,
-`kvseal.timeout_s` (deadline of every engine call in seconds, default 5: a wedged engine costs at most that).
+`kvseal.timeout_s` (deadline of every engine call in seconds, default 5: a wedged engine costs at most that),
+`kvseal.engine_uid` (the engine's user, a uid or name, when it is neither root nor vLLM's: the connector hands its KV
+memory only to a lane served by root, its own user or this one).
 
 Scheduler side (one per vLLM instance): asks the engine, through the local lane, how many of a waiting request's
 block hashes beyond vLLM's own hit are resident; the engine pins them under a lease. vLLM then allocates blocks
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -225,6 +228,19 @@ def _timeout_s(extra: dict[str, Any]) -> float:
     return timeout
 
 
+def _engine_uid(extra: dict[str, Any]) -> int | None:
+    """`kvseal.engine_uid`: the user the engine runs as (a uid or a user name) when neither root nor vLLM's user."""
+    value = extra.get("kvseal.engine_uid")
+    if value is None:
+        return None
+    if isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
+        return int(value)
+    try:
+        return pwd.getpwnam(str(value)).pw_uid
+    except KeyError:
+        raise ValueError(f"kvseal.engine_uid must be a uid or a user name of this machine, got {value!r}") from None
+
+
 class KVSealConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -240,7 +256,9 @@ class KVSealConnector(KVConnectorBase_V1):
         self.timeout_s = _timeout_s(extra)
         self.instance_id = f"vllm-{transfer.engine_id}"
         self.block_size = vllm_config.cache_config.block_size
-        self.client = EngineClient(self.target, token=extra.get("kvseal.token"), timeout=self.timeout_s)
+        self.client = EngineClient(
+            self.target, token=extra.get("kvseal.token"), timeout=self.timeout_s, engine_uid=_engine_uid(extra)
+        )
         self.outage = _Outage.of(self.target)
         if role == KVConnectorRole.SCHEDULER:
             # a failed or refused load must make vLLM recompute, never fail the request
