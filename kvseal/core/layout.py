@@ -233,6 +233,24 @@ def build_layout(block_size: int, tp_size: int, layers: list[LayerGeometry] | tu
     )
 
 
+def layout_from_descriptor(descriptor: bytes) -> Layout | None:
+    """The layout a canonical descriptor describes, or None when it is not one this code writes (another format
+    version, or bytes that do not rebuild to themselves): such a descriptor can never be matched to a layout."""
+    try:
+        doc = json.loads(descriptor)
+        if doc.get("format") != DESCRIPTOR_FORMAT:
+            return None
+        layers = [LayerGeometry(str(n), str(d), int(b), int(s), int(g), str(t)) for n, d, b, s, g, t in doc["layers"]]
+        layout = build_layout(int(doc["block_size"]), int(doc["tp_size"]), layers)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return layout if layout.descriptor == descriptor else None
+
+
+def namespace_final(namespace: str, layout: Layout) -> str:
+    return f"{namespace}.{layout.fingerprint}"
+
+
 @dataclass(frozen=True, slots=True)
 class SealedInstance:
     namespace: str
@@ -243,7 +261,7 @@ class SealedInstance:
     namespace_final: str = field(init=False, repr=False, compare=False)  # computed once: every RPC returns it
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "namespace_final", f"{self.namespace}.{self.layout.fingerprint}")
+        object.__setattr__(self, "namespace_final", namespace_final(self.namespace, self.layout))
 
     def cell_mask(self, worker_key: tuple[int, int]) -> int:
         """Bit (layer_id * tp_size + tp_rank) set for every slot that worker writes."""
