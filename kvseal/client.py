@@ -153,11 +153,12 @@ class EngineClient:
     def query(
         self, instance_id: str, hashes: Sequence[bytes], *, request_id: str = "", lease_ttl_ms: int = 0
     ) -> pb.QueryResponse:
-        """Leading resident hashes and their lease."""
-        body = self._lane_call(ln.encode_query, instance_id, hashes, lease_ttl_ms, spin=True)
+        """Leading resident hashes and their lease; or `loading` (hits 0): the engine is reading more of the
+        prefix from SSD, ask again (with the same request_id)."""
+        body = self._lane_call(ln.encode_query, instance_id, hashes, lease_ttl_ms, request_id, spin=True)
         if body is not None:
-            hits, lease_id, ttl, ns = ln.decode_query_ok(body)
-            return pb.QueryResponse(hits=hits, lease_id=lease_id, lease_ttl_ms=ttl, namespace_final=ns)
+            hits, lease_id, ttl, ns, loading = ln.decode_query_ok(body)
+            return pb.QueryResponse(hits=hits, lease_id=lease_id, lease_ttl_ms=ttl, namespace_final=ns, loading=loading)
         request = pb.QueryRequest(
             instance_id=instance_id, block_hashes=hashes, request_id=request_id, lease_ttl_ms=lease_ttl_ms
         )

@@ -15,7 +15,7 @@ Frames (little endian), one request then one response at a time per connection:
       op 6 REGISTER   a serialized kvseal.v1.RegisterRequest; the memfds travel as SCM_RIGHTS with the frame's
                       first byte, and each ShmHandle.fd is an index into them
       every other body starts with   u16 id_len | instance_id (utf-8)
-      op 1 QUERY      ... | u32 lease_ttl_ms | hashes
+      op 1 QUERY      ... | u32 lease_ttl_ms | u16 rid_len | request_id | hashes
       op 2 RELEASE    ... | u64 lease_id
       op 3 SAVE       ... | u32 tp_rank | u32 pp_rank | hashes | n x u32 block_id
       op 4 LOAD       ... | u32 tp_rank | u32 pp_rank | u64 lease_id | hashes | n x u32 block_id
@@ -24,7 +24,8 @@ Frames (little endian), one request then one response at a time per connection:
     response = u32 body_len | u8 code | body          code: 0 = OK, else a grpc.StatusCode value
       OK HELLO        (empty)
       OK REGISTER     a serialized kvseal.v1.InstanceStatus
-      OK QUERY        u32 hits | u64 lease_id | u32 lease_ttl_ms | u16 ns_len | namespace_final
+      OK QUERY        u32 hits | u64 lease_id | u32 lease_ttl_ms | u8 loading | u16 ns_len | namespace_final
+                      (loading: the engine is reading more of the prefix from SSD; ask again, hits is 0)
       OK RELEASE      (empty)
       OK SAVE         u32 written | u32 skipped | u32 not_stored | u32 completed | u16 ns_len | namespace_final
       OK LOAD         u8 outcome (1 loaded, 2 missing, 3 refused) | u32 loaded | u16 len | reason | u16 len | message
@@ -85,7 +86,7 @@ STATUS_NAMES = {v: k for k, v in STATUS_CODES.items()}
 _HEADER = struct.Struct("<IB")
 _COUNT = struct.Struct("<IB")  # n, hash_len
 _RANKS = struct.Struct("<II")  # tp_rank, pp_rank
-_QUERY_OK = struct.Struct("<IQIH")
+_QUERY_OK = struct.Struct("<IQIBH")
 _SAVE_OK = struct.Struct("<IIIIH")
 _LOAD_OK = struct.Struct("<BIH")
 _BLOCK_ID = np.dtype("<u4")
@@ -100,6 +101,7 @@ class QueryRequest:
     instance_id: str
     lease_ttl_ms: int
     hashes: list[bytes]
+    request_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +147,12 @@ Request = QueryRequest | ReleaseRequest | SaveRequest | LoadRequest | Unregister
 # ---------------------------------------------------------------------------------------------- encoding
 
 
-def encode_query(instance_id: str, hashes: Sequence[bytes], lease_ttl_ms: int = 0) -> bytes:
-    return _frame(OP_QUERY, _ident(instance_id) + _pack("<I", lease_ttl_ms) + _hashes(hashes))
+def encode_query(instance_id: str, hashes: Sequence[bytes], lease_ttl_ms: int = 0, request_id: str = "") -> bytes:
+    rid = request_id.encode()
+    if len(rid) > 0xFFFF:
+        raise Unframeable("request_id is longer than 65535 bytes")
+    body = _ident(instance_id) + _pack("<IH", lease_ttl_ms, len(rid)) + rid + _hashes(hashes)
+    return _frame(OP_QUERY, body)
 
 
 def encode_release(instance_id: str, lease_id: int) -> bytes:
@@ -245,10 +251,14 @@ def decode_request(op: int, body: bytes) -> Request:
             _end(body, pos + 8, op)
             return ReleaseRequest(instance_id, lease_id)
         if op == OP_QUERY:
-            (ttl,) = struct.unpack_from("<I", body, pos)
-            hashes, pos = _read_hashes(body, pos + 4)
+            ttl, rid_len = struct.unpack_from("<IH", body, pos)
+            pos += 6
+            if pos + rid_len > len(body):
+                raise InvalidArgument("request_id runs past the end of the frame")
+            request_id = body[pos : pos + rid_len].decode()
+            hashes, pos = _read_hashes(body, pos + rid_len)
             _end(body, pos, op)
-            return QueryRequest(instance_id, ttl, hashes)
+            return QueryRequest(instance_id, ttl, hashes, request_id)
         if op not in (OP_SAVE, OP_LOAD, OP_UNREGISTER):
             raise InvalidArgument(f"unknown op {op}")
         tp_rank, pp_rank = _RANKS.unpack_from(body, pos)
@@ -347,9 +357,9 @@ def encode_unregister_ok(remaining: int) -> bytes:
     return _frame(0, struct.pack("<I", remaining))
 
 
-def encode_query_ok(hits: int, lease_id: int, lease_ttl_ms: int, namespace_final: str) -> bytes:
+def encode_query_ok(hits: int, lease_id: int, lease_ttl_ms: int, namespace_final: str, loading: bool = False) -> bytes:
     ns = namespace_final.encode()
-    return _frame(0, _QUERY_OK.pack(hits, lease_id, lease_ttl_ms, len(ns)) + ns)
+    return _frame(0, _QUERY_OK.pack(hits, lease_id, lease_ttl_ms, loading, len(ns)) + ns)
 
 
 def encode_save_ok(written: int, skipped: int, not_stored: int, completed: int, namespace_final: str) -> bytes:
@@ -366,9 +376,10 @@ def encode_error(status: str, message: str) -> bytes:
     return _frame(STATUS_CODES.get(status, STATUS_CODES["INTERNAL"]), message.encode()[:4096])
 
 
-def decode_query_ok(body: bytes) -> tuple[int, int, int, str]:
-    hits, lease_id, ttl, ns_len = _QUERY_OK.unpack_from(body, 0)
-    return hits, lease_id, ttl, body[_QUERY_OK.size : _QUERY_OK.size + ns_len].decode()
+def decode_query_ok(body: bytes) -> tuple[int, int, int, str, bool]:
+    """hits, lease_id, lease_ttl_ms, namespace_final, loading."""
+    hits, lease_id, ttl, loading, ns_len = _QUERY_OK.unpack_from(body, 0)
+    return hits, lease_id, ttl, body[_QUERY_OK.size : _QUERY_OK.size + ns_len].decode(), bool(loading)
 
 
 def decode_save_ok(body: bytes) -> tuple[int, int, int, int, str]:

@@ -880,7 +880,7 @@ def test_other_sessions_cannot_touch_the_owners_workers(setup: Setup) -> None:
                 assert reply is not None and reply[0] == denied and b"another session" in reply[1], reply
         reply = conn.call(fq.encode_query(VALID, VALID_HASHES))
         assert reply is not None and reply[0] == 0
-        hits, lease_id, _, _ = fq.decode_query_ok(reply[1])
+        hits, lease_id, _, _, _ = fq.decode_query_ok(reply[1])
         assert hits == 4
         assert conn.call(fq.encode_release(VALID, lease_id)) == (0, b"")
     check_engine_healthy(setup)

@@ -291,7 +291,11 @@ class BlockStore:
         self._inflight_bytes += len(pids) * self._class_bytes[c]
 
     def finish_save(self, plan: SavePlan, ok: bool) -> int:
-        """Records the copies of a SavePlan. Returns how many pages became sealed.
+        """Records the copies of a SavePlan. Returns how many pages became sealed (finish_save_pages: which)."""
+        return len(self.finish_save_pages(plan, ok))
+
+    def finish_save_pages(self, plan: SavePlan, ok: bool) -> list[int]:
+        """Records the copies of a SavePlan. Returns the pages that became sealed.
 
         A page seals (or, with nothing written, is dropped) only when its last writer finishes: every plan entry
         holds a writer, so no plan can still be copying into a page that became evictable, and a page id cannot
@@ -317,7 +321,7 @@ class BlockStore:
                 inflight[pid] = mask
         if complete:
             self._seal(complete, ns)
-        return len(complete)
+        return complete
 
     def _seal(self, pids: list[int], ns: NamespaceStats) -> None:
         """Seals inflight pages of one namespace (already out of `_inflight`), each the new most recently used."""
@@ -419,6 +423,48 @@ class BlockStore:
 
     def lease(self, lease_id: int) -> Lease | None:
         return self._leases.get(lease_id)
+
+    # ---------------------------------------------------------------- pages for other tiers
+
+    def page(self, ns_id: int, block_hash: bytes) -> int | None:
+        """The page id holding `block_hash` in the namespace (inflight or sealed), or None."""
+        return self._namespaces[ns_id].index.get(block_hash)
+
+    def pin_pages(self, pids: Sequence[int]) -> None:
+        """Pins sealed pages of one namespace (an SSD write reads them): they cannot be evicted until unpinned."""
+        self._pin(pids)
+
+    def unpin_pages(self, pids: Sequence[int]) -> None:
+        self._unpin(pids)
+
+    def page_offset(self, pid: int) -> int:
+        return self._offset[pid]
+
+    def page_hash(self, pid: int) -> bytes:
+        block_hash = self._hash[pid]
+        assert block_hash is not None, "a page in use has a hash"
+        return block_hash
+
+    def split_plan(self, plan: SavePlan, keep: Sequence[bool]) -> tuple[SavePlan, SavePlan]:
+        """The plan's entries where `keep` is true, and the others (a refill whose records partly failed their
+        checks finishes the first as written and the second as not)."""
+        parts: tuple[list[int], list[int]] = ([], [])
+        for k, flag in enumerate(keep):
+            parts[0 if flag else 1].append(k)
+        out = []
+        for ks in parts:
+            out.append(
+                SavePlan(
+                    plan.namespace_id,
+                    plan.cell_mask,
+                    [plan.positions[k] for k in ks],
+                    [plan.pages[k] for k in ks],
+                    [plan.offsets[k] for k in ks],
+                    0,
+                    0,
+                )
+            )
+        return out[0], out[1]
 
     # ---------------------------------------------------------------- load (two-phase)
 

@@ -18,24 +18,31 @@ to it, even if the worker is dropped meanwhile (the views keep the mapping alive
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from kvseal.core.layout import (
     InstanceRegistry,
+    Layout,
     SealedInstance,
     WorkerRegistration,
+    layout_from_descriptor,
     validate_registration,
 )
-from kvseal.core.store import BlockStore, StoreStatistics, page_stride
+from kvseal.core.store import BlockStore, SavePlan, StoreStatistics, page_stride
 from kvseal.engine.copy import SlotSource, WorkerCopier
 from kvseal.engine.memory import Arena, CudaSpec, MappedFile, layer_extent, map_cuda_storage, map_layer_memory
 from kvseal.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
-from kvseal.limits import MAX_BLOCKS_PER_REQUEST, MAX_HASH_BYTES
+from kvseal.limits import MAX_BLOCKS_PER_REQUEST, MAX_HASH_BYTES, MAX_REQUEST_ID_CHARS
+from kvseal.ssd.tier import DiskTier, NamespaceKey, TierStatistics, WriteItem
+
+log = logging.getLogger("kvseal.engine")
 
 WorkerKey = tuple[str, int, int]  # (instance_id, tp_rank, pp_rank)
 
@@ -115,6 +122,7 @@ class EngineStatistics:
     counters: EngineCounters
     instances: int
     workers: int
+    ssd: TierStatistics | None = None
 
 
 class _Worker:
@@ -139,6 +147,12 @@ class _Instance:
     def sealed(self) -> SealedInstance | None:
         return self.registry.sealed
 
+    @property
+    def key(self) -> NamespaceKey:
+        """Whose blocks, under which final namespace (sealed instances only)."""
+        assert self.sealed is not None
+        return _tenant(self.uid), self.sealed.namespace_final
+
 
 class Engine:
     def __init__(
@@ -150,7 +164,9 @@ class Engine:
         lease_ttl_s: float = 30.0,
         inflight_timeout_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        ssd: DiskTier | None = None,
     ) -> None:
+        """`ssd`: an opened SSD tier; sealed blocks are written through to it and queries continue from it."""
         self.store = BlockStore(
             pool_bytes,
             slab_bytes=slab_bytes,
@@ -162,6 +178,16 @@ class Engine:
         self.counters = EngineCounters()
         self._lock = threading.Lock()
         self._instances: dict[str, _Instance] = {}
+        self.ssd = ssd
+        self._refilling: set[int] = set()  # pages being read from SSD
+        self._refills = ThreadPoolExecutor(2, thread_name_prefix="kvseal-refill") if ssd is not None else None
+
+    def close(self) -> None:
+        """Finishes SSD refills and writes (the tier seals its segments). The pool stays mapped."""
+        if self._refills is not None:
+            self._refills.shutdown(wait=True)
+        if self.ssd is not None:
+            self.ssd.close()
 
     # ---------------------------------------------------------------- registration
 
@@ -307,7 +333,10 @@ class Engine:
         finally:
             elapsed = time.perf_counter() - start
             with self._lock:
-                completed = self.store.finish_save(plan, ok)
+                sealed_pages = self.store.finish_save_pages(plan, ok)
+                completed = len(sealed_pages)
+                if self.ssd is not None and sealed_pages:
+                    self._write_through(inst, sealed_pages)
                 self.counters.saves += 1
                 self.counters.save_bytes += len(plan.pages) * w.slot_bytes
                 self.counters.save_seconds += elapsed
@@ -354,11 +383,17 @@ class Engine:
                 self.counters.load_seconds += elapsed
         return LoadResult(plan.outcome, len(plan.pages), plan.reason, plan.message)
 
-    def query(self, instance_id: str, hashes: Sequence[bytes], peer: Peer, lease_ttl_ms: int = 0) -> QueryResult:
-        """`lease_ttl_ms` (0: the engine's) is capped at the engine's --lease-ttl; the answer says what was granted."""
+    def query(
+        self, instance_id: str, hashes: Sequence[bytes], peer: Peer, lease_ttl_ms: int = 0, request_id: str = ""
+    ) -> QueryResult:
+        """`lease_ttl_ms` (0: the engine's) is capped at the engine's --lease-ttl; the answer says what was granted.
+        When the prefix continues on SSD the answer is `loading` (no hits, no lease) while those blocks are read
+        into the pool: the caller asks again."""
         hashes = _check_hashes(hashes)
         if lease_ttl_ms < 0:
             raise InvalidArgument(f"lease_ttl_ms must be >= 0, got {lease_ttl_ms}")
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidArgument(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters")
         with self._lock:
             inst = self._find_sealed(instance_id)
             _check_access(inst, peer)
@@ -369,6 +404,10 @@ class Engine:
             result = self.store.query(
                 inst.ns_id, sealed.layout, hashes, owner=instance_id, shares=len(inst.workers), ttl_s=ttl_s
             )
+            if self.ssd is not None and result.hits < len(hashes) and self._refilled(inst, hashes, result.hits):
+                if result.lease_id:
+                    self.store.release(result.lease_id, instance_id)
+                return QueryResult(0, 0, int(ttl_s * 1000), sealed.namespace_final, loading=True)
             return QueryResult(result.hits, result.lease_id, int(ttl_s * 1000), sealed.namespace_final)
 
     def release(self, instance_id: str, lease_id: int, peer: Peer) -> None:
@@ -377,6 +416,68 @@ class Engine:
         with self._lock:
             _check_access(self._find_instance(instance_id), peer)
             self.store.release(lease_id, instance_id)
+
+    # ---------------------------------------------------------------- SSD tier
+
+    def _write_through(self, inst: _Instance, pages: list[int]) -> None:
+        """Hands freshly sealed pages the SSD does not hold to its writers, pinned until written. Under the lock."""
+        assert self.ssd is not None and inst.sealed is not None
+        layout = inst.sealed.layout
+        hashes = [self.store.page_hash(pid) for pid in pages]
+        absent = self.ssd.absent(inst.key, hashes)
+        if not absent:
+            return
+        pages = [pages[i] for i in absent]
+        self.store.pin_pages(pages)
+        arena, size = self.arena.bytes, layout.page_bytes
+        items = []
+        for i, pid in zip(absent, pages, strict=True):
+            at = self.store.page_offset(pid)
+            items.append(WriteItem(hashes[i], memoryview(arena[at : at + size])))
+
+        def written(ok: bool) -> None:
+            with self._lock:
+                self.store.unpin_pages(pages)
+
+        if not self.ssd.write(inst.key, layout, items, written):
+            self.store.unpin_pages(pages)
+
+    def _refilled(self, inst: _Instance, hashes: list[bytes], start: int) -> bool:
+        """Whether the blocks from hashes[start] on are being read from SSD now (starting that read if the SSD has
+        them and the pool has room). Under the lock."""
+        assert self.ssd is not None and inst.sealed is not None
+        pid = self.store.page(inst.ns_id, hashes[start])
+        if pid is not None:  # inflight: a refill under way, or a worker's save (not ours to wait for)
+            return pid in self._refilling
+        run = self.ssd.prefix(inst.key, hashes[start:])
+        if run == 0:
+            return False
+        layout = inst.sealed.layout
+        wanted = hashes[start : start + run]
+        plan = self.store.begin_save(inst.ns_id, layout, wanted, (1 << layout.num_slots) - 1)
+        if not plan.pages or plan.positions[0] != 0:
+            self.store.finish_save(plan, ok=False)
+            return False  # no room for the first block: serve what memory has
+        self._refilling.update(plan.pages)
+        assert self._refills is not None
+        self._refills.submit(self._refill, inst.key, layout, [wanted[k] for k in plan.positions], plan)
+        return True
+
+    def _refill(self, key: NamespaceKey, layout: Layout, hashes: list[bytes], plan: SavePlan) -> None:
+        """Reads SSD records into a refill's inflight pages and seals those that passed every check."""
+        assert self.ssd is not None
+        arena, size = self.arena.bytes, layout.page_bytes
+        destinations = [memoryview(arena[at : at + size]) for at in plan.offsets]
+        try:
+            results = self.ssd.read(key, layout, hashes, destinations)
+        except Exception:
+            log.exception("ssd refill failed")
+            results = ["io"] * len(hashes)
+        good, bad = self.store.split_plan(plan, [r == "" for r in results])
+        with self._lock:
+            self.store.finish_save(good, ok=True)
+            self.store.finish_save(bad, ok=False)
+            self._refilling.difference_update(plan.pages)
 
     def tick(self) -> None:
         """Expires leases and inflight pages even when no request comes (called periodically by the server)."""
@@ -452,27 +553,40 @@ class Engine:
             return [self._status(inst) for inst in self._instances.values()]
 
     def namespaces(self) -> list[dict[str, Any]]:
+        """One entry per (user, final namespace) held in memory or on SSD."""
         with self._lock:
+            on_ssd = self.ssd.namespaces() if self.ssd is not None else {}
             out = []
             for ns, layout in self.store.namespace_stats():
-                final = ns.namespace_final
+                key = (ns.tenant, ns.namespace_final)
+                ssd_blocks, ssd_bytes, _ = on_ssd.pop(key, (0, 0, b""))
                 out.append(
-                    {
-                        "namespace": final,
-                        "client_namespace": final.rsplit(".", 1)[0],
-                        "uid": ns.tenant,
-                        "fingerprint": layout.fingerprint,
-                        "digest": layout.digest.hex(),
-                        "block_size": layout.block_size,
-                        "tp_size": layout.tp_size,
-                        "num_layers": len(layout.layers),
-                        "page_bytes": layout.page_bytes,
+                    _namespace_view(key, layout)
+                    | {
                         "resident_blocks": ns.resident_blocks,
                         "resident_bytes": ns.resident_bytes,
+                        "ssd_blocks": ssd_blocks,
+                        "ssd_bytes": ssd_bytes,
                         "hits": ns.hits,
                         "misses": ns.misses,
                         "refused": dict(ns.refused),
                         "last_used": ns.last_used,
+                    }
+                )
+            for key, (ssd_blocks, ssd_bytes, descriptor) in on_ssd.items():  # on SSD only (e.g. after a restart)
+                layout = layout_from_descriptor(descriptor)
+                assert layout is not None  # the tier keeps only namespaces whose descriptor builds
+                out.append(
+                    _namespace_view(key, layout)
+                    | {
+                        "resident_blocks": 0,
+                        "resident_bytes": 0,
+                        "ssd_blocks": ssd_blocks,
+                        "ssd_bytes": ssd_bytes,
+                        "hits": 0,
+                        "misses": 0,
+                        "refused": {},
+                        "last_used": 0.0,
                     }
                 )
             return out
@@ -484,7 +598,23 @@ class Engine:
                 counters=dataclasses.replace(self.counters),
                 instances=len(self._instances),
                 workers=sum(len(i.workers) for i in self._instances.values()),
+                ssd=self.ssd.statistics() if self.ssd is not None else None,
             )
+
+
+def _namespace_view(key: NamespaceKey, layout: Layout) -> dict[str, Any]:
+    tenant, final = key
+    return {
+        "namespace": final,
+        "client_namespace": final.rsplit(".", 1)[0],
+        "uid": tenant,
+        "fingerprint": layout.fingerprint,
+        "digest": layout.digest.hex(),
+        "block_size": layout.block_size,
+        "tp_size": layout.tp_size,
+        "num_layers": len(layout.layers),
+        "page_bytes": layout.page_bytes,
+    }
 
 
 def _same_user(peer: Peer) -> bool:

@@ -323,8 +323,10 @@ class LaneServer:
                 raise Unauthenticated("this engine needs a token: send HELLO with it first (EngineClient(token=...))")
             engine, session = self.engine, conn.session
             if isinstance(request, lane.QueryRequest):
-                q = engine.query(request.instance_id, request.hashes, session.peer, request.lease_ttl_ms)
-                return lane.encode_query_ok(q.hits, q.lease_id, q.lease_ttl_ms, q.namespace_final)
+                q = engine.query(
+                    request.instance_id, request.hashes, session.peer, request.lease_ttl_ms, request.request_id
+                )
+                return lane.encode_query_ok(q.hits, q.lease_id, q.lease_ttl_ms, q.namespace_final, q.loading)
             if isinstance(request, lane.ReleaseRequest):
                 engine.release(request.instance_id, request.lease_id, session.peer)
                 return lane.encode_ok()

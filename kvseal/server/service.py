@@ -13,7 +13,7 @@ import grpc
 
 from kvseal import __version__
 from kvseal.engine.engine import Engine, Peer
-from kvseal.errors import InvalidArgument, KvsealError, PermissionDenied
+from kvseal.errors import KvsealError, PermissionDenied
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
 from kvseal.server import peers
@@ -78,9 +78,9 @@ class EngineService(pb_grpc.EngineServicer):
 
     @_rpc
     def Query(self, request: pb.QueryRequest, context: grpc.ServicerContext) -> pb.QueryResponse:
-        if len(request.request_id) > 256:
-            raise InvalidArgument("request_id must be at most 256 characters")
-        r = self.engine.query(request.instance_id, request.block_hashes, self._peer(context), request.lease_ttl_ms)
+        r = self.engine.query(
+            request.instance_id, request.block_hashes, self._peer(context), request.lease_ttl_ms, request.request_id
+        )
         return pb.QueryResponse(
             hits=r.hits,
             lease_id=r.lease_id,

@@ -220,10 +220,15 @@ class DiskTier:
                 n += 1
             return n
 
-    def contains(self, key: NamespaceKey, block_hash: bytes) -> bool:
+    def absent(self, key: NamespaceKey, hashes: Sequence[bytes]) -> list[int]:
+        """Positions of the hashes the tier does not hold for the namespace (queued ones are pinned in the pool,
+        so they cannot be sealed again before their write lands)."""
         with self._lock:
             ns = self._namespaces.get(key)
-            return ns is not None and block_hash in ns.blocks
+            if ns is None:
+                return list(range(len(hashes)))
+            held = ns.blocks
+            return [i for i, h in enumerate(hashes) if h not in held]
 
     def namespaces(self) -> dict[NamespaceKey, tuple[int, int, bytes]]:
         """Per namespace: blocks, bytes and its descriptor."""
