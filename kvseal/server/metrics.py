@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvseal.engine.engine import Engine
+from kvseal.ssd.tier import TierStatistics
 
 _RPC_BUCKETS = (50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.1, 0.5, 1.0, 5.0)
 
@@ -54,6 +55,33 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("kvseal_save_seconds", "Seconds spent copying saves", value=c.save_seconds)
         yield CounterMetricFamily("kvseal_load_bytes", "Bytes copied out of the pool by loads", value=c.load_bytes)
         yield CounterMetricFamily("kvseal_load_seconds", "Seconds spent copying loads", value=c.load_seconds)
+        if s.ssd is not None:
+            yield from _ssd_metrics(s.ssd)
+
+
+def _ssd_metrics(t: TierStatistics) -> Iterator[Metric]:
+    yield GaugeMetricFamily("kvseal_ssd_records", "Blocks held on SSD", value=t.records)
+    yield GaugeMetricFamily("kvseal_ssd_bytes", "Page bytes held on SSD", value=t.bytes)
+    yield GaugeMetricFamily("kvseal_ssd_segments", "SSD segment files", value=t.segments)
+    yield CounterMetricFamily("kvseal_ssd_writes", "Device writes (batches of records)", value=t.writes)
+    yield CounterMetricFamily("kvseal_ssd_write_bytes", "Bytes written to SSD", value=t.write_bytes)
+    yield CounterMetricFamily("kvseal_ssd_write_seconds", "Seconds in SSD writes", value=t.write_seconds)
+    yield CounterMetricFamily("kvseal_ssd_reads", "Device reads (runs of records)", value=t.reads)
+    yield CounterMetricFamily("kvseal_ssd_read_bytes", "Bytes read from SSD", value=t.read_bytes)
+    yield CounterMetricFamily("kvseal_ssd_read_seconds", "Seconds in SSD reads", value=t.read_seconds)
+    yield CounterMetricFamily(
+        "kvseal_ssd_skipped", "Sealed blocks not written to SSD (queues full, no device left)", value=t.skipped
+    )
+    failures = CounterMetricFamily(
+        "kvseal_ssd_verify_failures", "Records that failed their checks on read, by reason", labels=["reason"]
+    )
+    for reason in ("checksum", "digest", "truncated", "mismatch"):
+        failures.add_metric([reason], t.verify_failures.get(reason, 0))
+    yield failures
+    failed = GaugeMetricFamily("kvseal_ssd_path_failed", "1 when a path stopped taking writes", labels=["path"])
+    for path in t.devices:
+        failed.add_metric([path], int(path in t.failed_devices))
+    yield failed
 
 
 class Metrics:

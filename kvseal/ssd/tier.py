@@ -136,6 +136,7 @@ class TierStatistics:
     verify_failures: dict[str, int]
     failed_devices: dict[str, str]  # device name -> the error that took it out of the write rotation
     direct: bool
+    devices: tuple[str, ...] = ()
 
 
 def _loc(device: int, seq: int, offset: int) -> int:
@@ -573,6 +574,7 @@ class DiskTier:
                 verify_failures=dict(self._verify_failures),
                 failed_devices={d.device.name: d.failed for d in self._devices if d.failed},
                 direct=all(d.device.direct for d in self._devices),
+                devices=tuple(d.device.name for d in self._devices),
             )
 
     def flush(self, timeout: float = 60.0) -> None:
