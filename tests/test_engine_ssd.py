@@ -1,0 +1,202 @@
+"""The engine with an SSD tier, in-process (the tier on kvseal.testing.MemoryDevice): sealed blocks are written
+through, a query whose prefix continues on SSD answers `loading` until the records are read, verified and sealed
+in the pool, a restarted engine serves its predecessor's blocks byte-exact, a bad record ends the prefix, and
+nothing is written twice or left pinned."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvseal.core.layout import LayerGeometry, LayerRegistration, WorkerRegistration
+from kvseal.engine.engine import Engine, Peer, QueryResult, Session
+from kvseal.engine.memory import ShmSpec
+from kvseal.memfd import SharedArray
+from kvseal.ssd.tier import DiskTier
+from kvseal.testing import MemoryDevice
+
+SLOT = 8192
+BLOCKS = 64
+SESSION = Session(Peer(uid=os.getuid(), pid=os.getpid(), privileged=True))
+POLL_S = 10.0
+
+
+class Node:
+    """An engine with a tier over `device`, and one registered worker whose KV is a sealed memfd."""
+
+    def __init__(self, device: MemoryDevice, instance: str = "w", dtype: str = "bfloat16", seed: int = 7) -> None:
+        self.tier = DiskTier([device], batch_bytes=64 << 10)
+        self.tier.open()
+        self.engine = Engine(4 << 20, slab_bytes=1 << 20, ssd=self.tier)  # 512 KiB pages... of 8 KiB: 512 blocks
+        self.shared = SharedArray((BLOCKS, SLOT))
+        self.kv = self.shared.array
+        self.kv[:] = np.random.default_rng(seed).integers(0, 256, self.kv.shape, dtype=np.uint8)
+        self.worker = (instance, 0, 0)
+        layer = LayerRegistration(
+            LayerGeometry("model.layers.0.attn", dtype, SLOT, 1, 0, "test"),
+            BLOCKS,
+            (SLOT,),
+            ShmSpec(0, 0, SLOT * BLOCKS),
+        )
+        self.engine.register(WorkerRegistration(instance, "llama", 0, 1, 0, 1, 16, (layer,)), SESSION, [self.shared.fd])
+
+    def save(self, block_hashes: list[bytes]) -> None:
+        r = self.engine.save(self.worker, block_hashes, list(range(len(block_hashes))), SESSION)
+        assert r.not_stored == 0
+        self.tier.flush()
+
+    def query(self, block_hashes: list[bytes]) -> tuple[QueryResult, int]:
+        """Asks until the answer is not `loading`; returns it and how many times it was loading."""
+        deadline = time.monotonic() + POLL_S
+        loading = 0
+        while True:
+            q = self.engine.query(self.worker[0], block_hashes, SESSION.peer, request_id="r1")
+            if not q.loading:
+                return q, loading
+            assert q.hits == 0 and q.lease_id == 0
+            loading += 1
+            assert time.monotonic() < deadline, "the refill did not finish"
+            time.sleep(0.001)  # poll interval of a bounded wait on a real condition (the refill thread)
+
+    def load(self, block_hashes: list[bytes], lease_id: int) -> np.ndarray:
+        self.kv[:] = 0
+        r = self.engine.load(self.worker, block_hashes, list(range(len(block_hashes))), SESSION, lease_id)
+        assert r.outcome == "loaded", r
+        return self.kv[: len(block_hashes)].copy()
+
+    def close(self) -> None:
+        self.engine.close()
+        self.shared.close()
+
+
+@pytest.fixture
+def device() -> MemoryDevice:
+    return MemoryDevice(16 << 20, 512 << 10)
+
+
+@pytest.fixture
+def nodes(device: MemoryDevice) -> Iterator[list[Node]]:
+    made: list[Node] = []
+    yield made
+    for node in made:
+        node.close()
+
+
+def hashes(tag: str, n: int) -> list[bytes]:
+    return [f"{tag}{i}".encode().ljust(32, b"-") for i in range(n)]
+
+
+def test_a_restarted_engine_loads_its_predecessors_blocks_from_ssd(device: MemoryDevice, nodes: list[Node]) -> None:
+    first = Node(device)
+    nodes.append(first)
+    hs = hashes("a", 40)
+    saved = first.kv[:40].copy()
+    first.save(hs)
+    assert first.tier.statistics().records == 40
+    s = first.engine.store.statistics()
+    assert s.pinned_blocks == 0  # the writer's pins are gone
+    first.close()
+    nodes.remove(first)
+
+    second = Node(device, seed=99)  # another process after a restart: same layout, other memory contents
+    nodes.append(second)
+    q, loading = second.query(hs)
+    assert loading >= 1 and q.hits == 40
+    assert np.array_equal(second.load(hs, q.lease_id), saved)
+    assert second.tier.statistics().records == 40  # refilled blocks are not written again
+    view = {n["namespace"]: n for n in second.engine.namespaces()}
+    (ns,) = view.values()
+    assert (ns["resident_blocks"], ns["ssd_blocks"], ns["ssd_bytes"]) == (40, 40, 40 * SLOT)
+    second.engine.store.check_invariants()
+
+
+def test_a_prefix_that_continues_on_ssd_loads_as_one_hit(device: MemoryDevice, nodes: list[Node]) -> None:
+    node = Node(device)
+    nodes.append(node)
+    hs = hashes("b", 30)
+    saved = node.kv[:30].copy()
+    node.save(hs)
+    # fill the pool with other blocks, touching the first 10 in between: the other 20 are evicted
+    for i in range(10):
+        touch = node.engine.query("w", hs[:10], SESSION.peer)
+        node.engine.release("w", touch.lease_id, SESSION.peer)
+        node.save(hashes(f"filler{i}-", BLOCKS))
+    resident = node.engine.store.query(
+        node.engine._instances["w"].ns_id, node.engine._instances["w"].sealed.layout, hs, owner="t", shares=1
+    )
+    node.engine.store.release(resident.lease_id, "t")
+    assert resident.hits == 10
+    assert node.engine.query("w", hs, SESSION.peer).loading
+    q, _ = node.query(hs)
+    assert q.hits == 30
+    assert np.array_equal(node.load(hs, q.lease_id), saved)
+
+
+def test_a_bad_record_ends_the_prefix_before_it(device: MemoryDevice, nodes: list[Node]) -> None:
+    first = Node(device)
+    nodes.append(first)
+    hs = hashes("c", 12)
+    saved = first.kv[:12].copy()
+    first.save(hs)
+    first.close()
+    nodes.remove(first)
+    seq = device.segments()[0]
+    data = device.files[seq]
+    at = data.find(hs[5])  # the sixth block's record: flip a byte of its payload
+    data[at + 200] ^= 0x40
+    second = Node(device, seed=3)
+    nodes.append(second)
+    q, _ = second.query(hs)
+    assert q.hits == 5
+    assert np.array_equal(second.load(hs[:5], q.lease_id), saved[:5])
+    assert second.tier.statistics().verify_failures == {"checksum": 1}
+    second.engine.store.check_invariants()
+
+
+def test_two_instances_saving_one_prefix_write_it_once(device: MemoryDevice, nodes: list[Node]) -> None:
+    node = Node(device)
+    nodes.append(node)
+    other_kv = SharedArray((BLOCKS, SLOT))
+    try:
+        layer = LayerRegistration(
+            LayerGeometry("model.layers.0.attn", "bfloat16", SLOT, 1, 0, "test"),
+            BLOCKS,
+            (SLOT,),
+            ShmSpec(0, 0, SLOT * BLOCKS),
+        )
+        node.engine.register(WorkerRegistration("v", "llama", 0, 1, 0, 1, 16, (layer,)), SESSION, [other_kv.fd])
+        hs = hashes("d", 16)
+        node.save(hs)
+        node.engine.save(("v", 0, 0), hs, list(range(16)), SESSION)
+        node.tier.flush()
+        assert node.tier.statistics().records == 16
+        writes = device.writes
+        node.save(hs)  # sealed: skipped, nothing to write
+        assert device.writes == writes
+    finally:
+        other_kv.close()
+
+
+def test_another_layout_never_refills_from_these_records(device: MemoryDevice, nodes: list[Node]) -> None:
+    node = Node(device, dtype="bfloat16")
+    nodes.append(node)
+    hs = hashes("e", 8)
+    node.save(hs)
+    fp16 = SharedArray((BLOCKS, SLOT))  # same bytes per block, another dtype: another final namespace
+    try:
+        layer = LayerRegistration(
+            LayerGeometry("model.layers.0.attn", "float16", SLOT, 1, 0, "test"),
+            BLOCKS,
+            (SLOT,),
+            ShmSpec(0, 0, SLOT * BLOCKS),
+        )
+        node.engine.register(WorkerRegistration("x", "llama", 0, 1, 0, 1, 16, (layer,)), SESSION, [fp16.fd])
+        q = node.engine.query("x", hs, SESSION.peer)
+        assert (q.hits, q.loading) == (0, False)
+        assert len(node.tier.namespaces()) == 1
+    finally:
+        fp16.close()
