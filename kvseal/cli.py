@@ -10,10 +10,10 @@ import os
 import re
 import signal
 import sys
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
-if TYPE_CHECKING:
-    from kvseal.server.serve import ServeConfig
+import kvseal
+from kvseal.server.config import ConfigError, ServeConfig, check_config, format_size
 
 _UNITS = {
     "": 1,
@@ -49,11 +49,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each default, except where there is none to show (None, on/off switches)."""
+    """Shows each default as the README's flag table writes it (30, not 30.0), except where there is none to show
+    (None, on/off switches)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         if action.default is None or isinstance(action.default, bool):
             return action.help or ""
+        if isinstance(action.default, float):
+            return f"{action.help} (default: {action.default:g})"
         return super()._get_help_string(action) or ""
 
 
@@ -92,10 +95,16 @@ def _group(text: str) -> str:
     return text
 
 
-def _host_port(text: str) -> str:
+def _host_port(text: str, forms: str = "HOST:PORT") -> str:
+    bare = text.removeprefix(":")
+    if bare.isdecimal():
+        # elsewhere a bare port often means every interface; this engine serves loopback unless told otherwise
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a bare port, and the engine listens on loopback only: pass 127.0.0.1:{bare}"
+        )
     host, sep, port = text.rpartition(":")
     if not sep or not host.strip("[]") or not port.isdecimal() or int(port) > 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+        raise argparse.ArgumentTypeError(f"{text!r} is not {forms}")
     return text
 
 
@@ -104,10 +113,7 @@ def _grpc_address(text: str) -> str:
         if not text.removeprefix("unix:").removeprefix("//"):
             raise argparse.ArgumentTypeError(f"{text!r} names no socket path")
         return text
-    try:
-        return _host_port(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT or unix:/path") from None
+    return _host_port(text, "HOST:PORT or unix:/path")
 
 
 def _http_address(text: str) -> str:
@@ -120,9 +126,16 @@ _LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The `kvseal` parser and its `serve` subparser."""
     parser = _Parser(prog="kvseal", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {kvseal.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the engine", formatter_class=_HelpFormatter)
+    serve = sub.add_parser(
+        "serve",
+        help="run the engine",
+        formatter_class=_HelpFormatter,
+        epilog="A start that cannot work prints one line saying why and exits: 2 when the command line cannot run, "
+        "1 when this machine refuses it (an address in use, a socket path it cannot create, too little memory).",
+    )
     serve.add_argument(
         "--listen", type=_grpc_address, default="127.0.0.1:50055", help="gRPC address: HOST:PORT or unix:/path"
     )
@@ -132,7 +145,12 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         default="127.0.0.1:9091",
         help="HTTP address (HOST:PORT) for /health, /metrics, /v1/*; '' = off",
     )
-    serve.add_argument("--pool-size", type=_positive_size, default="1GiB", help="host memory pool, pre-faulted")
+    serve.add_argument(
+        "--pool-size",
+        type=_positive_size,
+        default="1GiB",
+        help="host memory pool, pre-faulted at start; rounded down to whole slabs",
+    )
     serve.add_argument(
         "--slab-size", type=_positive_size, default="64MiB", help="pool slab; the largest page must fit in one"
     )
@@ -160,8 +178,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     serve.add_argument(
         "--lane-socket",
         default="auto",
-        help="unix socket of the local lane for Query/Release/Save/Load ('auto': beside --listen or in the temp dir; "
-        "'' = off)",
+        help="unix socket (mode 0600) of the local lane, where workers register, save and load ('auto': "
+        "<unix path>.lane, or $TMPDIR/kvseal-<port>.lane.sock for TCP)",
     )
     serve.add_argument(
         "--lane-group",
@@ -182,7 +200,11 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         default=60.0,
         help="seconds a lane connection that holds no registration may stay silent before it is closed",
     )
-    serve.add_argument("--no-prefault", action="store_true", help="do not fault the pool in at start")
+    serve.add_argument(
+        "--no-prefault",
+        action="store_true",
+        help="do not fault the pool in at start (a faster start; first copies into fresh pages are slower)",
+    )
     serve.add_argument("--log-level", type=str.upper, choices=_LOG_LEVELS, default="INFO", help="logging level")
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -202,16 +224,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.command != "serve":
         return args
-    if args.slab_size > args.pool_size:
-        serve.error(f"argument --slab-size: {args.slab_size} bytes is more than --pool-size ({args.pool_size} bytes)")
     if args.token is None:
         args.token = os.environ.get("KVSEAL_TOKEN")
         if args.token == "":
             serve.error("KVSEAL_TOKEN is set but empty: unset it to run without a token, or set the token")
     elif args.token == "":
         serve.error("argument --token: empty; leave --token out to run without a token")
-    if args.lane_group is not None and args.lane_socket == "":
-        serve.error("argument --lane-group: the lane is off (--lane-socket '')")
+    try:
+        check_config(serve_config(args))
+    except ConfigError as e:
+        serve.error(str(e))
     return args
 
 
@@ -226,8 +248,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The ServeConfig that `kvseal serve` runs with, from parse_args()'s result."""
-    from kvseal.server.serve import ServeConfig
-
     return ServeConfig(
         listen=args.listen,
         http_listen=args.http_listen,
@@ -246,17 +266,25 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvseal.server.serve import EngineServer
+    from kvseal.server.addresses import StartError, check_addresses
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = serve_config(args)
-    server = EngineServer(cfg)
-    server.start()
+    try:
+        check_addresses(cfg)  # before importing grpc, numpy and the engine, most of a failed start's time
+        from kvseal.server.serve import EngineServer
+
+        server = EngineServer(cfg)
+        server.start()
+    except StartError as e:
+        print(f"kvseal serve: error: {e}", file=sys.stderr)
+        return 1
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     signal.signal(signal.SIGINT, lambda *_: server.request_stop())
-    where = cfg.listen if cfg.listen.startswith("unix:") else f"{cfg.listen.rsplit(':', 1)[0]}:{server.port}"
+    pool = server.pool_bytes
     print(
-        f"kvseal engine serving gRPC on {where}, HTTP on port {server.http_port}, pool {cfg.pool_bytes} bytes",
+        f"kvseal engine serving gRPC on {server.grpc_address}, HTTP on {server.http_address or 'nothing (off)'}, "
+        f"lane {server.lane_socket}, pool {pool} bytes ({format_size(pool)})",
         flush=True,
     )
     server.wait()

@@ -3,23 +3,34 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import os
+import re
+import socket
+import stat
 import subprocess
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
-from conftest import REPO, free_port
+from conftest import REPO, EngineProcess, free_port, wait_until
 
 from kvseal import cli
+from kvseal.client import EngineClient
+from kvseal.server.config import format_size, physical_memory
 
 
-def _serve(*extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`python -m kvseal serve` on unused ports (nothing is bound: these values are refused before)."""
+def _serve(
+    *extra: str, env: dict[str, str] | None = None, wrapper: Sequence[str] = ()
+) -> subprocess.CompletedProcess[str]:
+    """`python -m kvseal serve` on unused ports, `extra` last (a flag given twice takes its last value); `wrapper`:
+    a command line that execs the serve command appended to it."""
     base = os.environ | (env or {})
     if env is None or "KVSEAL_TOKEN" not in env:
         base.pop("KVSEAL_TOKEN", None)
     cmd = [
+        *wrapper,
         sys.executable,
         "-m",
         "kvseal",
@@ -57,7 +68,7 @@ BAD = [
     (["--lane-idle-timeout", "0"], "--lane-idle-timeout"),
     (["--lane-idle-timeout", "nan"], "--lane-idle-timeout"),
     (["--lane-group", "no-such-group-kvseal"], "--lane-group"),
-    (["--lane-group", "root", "--lane-socket", ""], "--lane-group"),
+    (["--lane-socket", ""], "--lane-socket"),
     (["--token", ""], "--token"),
     (["--listen", "nowhere"], "--listen"),
     (["--listen", "unix:"], "--listen"),
@@ -93,7 +104,7 @@ def test_help_shows_defaults_and_token_variable() -> None:
     )
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())  # argparse wraps lines
-    for default in ("127.0.0.1:50055", "127.0.0.1:9091", "1GiB", "64MiB", "30.0", "4096", "auto", "INFO"):
+    for default in ("127.0.0.1:50055", "127.0.0.1:9091", "1GiB", "64MiB", "30", "4096", "auto", "INFO"):
         assert f"(default: {default})" in text
     assert "$KVSEAL_TOKEN" in text
     assert "s3cret-in-env" not in text  # the help never prints the token
@@ -146,3 +157,238 @@ def test_serve_config_gets_every_flag(monkeypatch: pytest.MonkeyPatch) -> None:
         lane_idle_timeout_s=11.0,
     )
     assert cli.serve_config(cli.parse_args(["serve"])) == ServeConfig()  # the CLI's defaults are ServeConfig's
+
+
+def _one_error_line(r: subprocess.CompletedProcess[str]) -> str:
+    """The one line a refused start prints (it never got to serving, and printed no traceback)."""
+    assert r.stdout == "" and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.endswith("\n"), r.stderr
+    return r.stderr.removesuffix("\n")
+
+
+def test_usage_errors_of_a_first_hour_say_what_to_do() -> None:
+    """The lines of issue 12: each names the flag, what is wrong and the fix, and exits 2 before binding anything."""
+    port = free_port()
+    see = " (see kvseal serve --help)"
+    memory = format_size(physical_memory())
+    cases = [
+        (
+            ["--listen", str(port)],
+            f"argument --listen: '{port}' is a bare port, and the engine listens on loopback only: pass "
+            f"127.0.0.1:{port}",
+        ),
+        (
+            ["--http-listen", str(port)],
+            f"argument --http-listen: '{port}' is a bare port, and the engine listens on loopback only: pass "
+            f"127.0.0.1:{port}",
+        ),
+        (
+            ["--listen", f"0.0.0.0:{port}"],
+            f"argument --listen: '0.0.0.0:{port}' is not a loopback address, and the engine listens on loopback only: "
+            f"pass 127.0.0.1:{port} (for other machines to reach it, add --allow-remote and --token)",
+        ),
+        (
+            ["--listen", f"0.0.0.0:{port}", "--allow-remote"],
+            f"argument --allow-remote: listening on '0.0.0.0:{port}' needs a shared token too: pass --token or set "
+            "$KVSEAL_TOKEN",
+        ),
+        (
+            ["--pool-size", "100TiB"],
+            f"argument --pool-size: 100 TiB is more than this machine's memory ({memory}): pass a smaller size, such "
+            "as 1GiB",
+        ),
+        (["--pool-size", "0"], "argument --pool-size: must be more than 0 bytes, not '0'"),
+        (
+            ["--pool-size", "1", "--slab-size", "1"],
+            "argument --slab-size: must be at least 64 bytes, pages are aligned to that",
+        ),
+        (
+            ["--pool-size", "8MiB", "--slab-size", "16MiB"],
+            "argument --slab-size: 16 MiB is more than --pool-size (8 MiB): pass a smaller --slab-size or a larger "
+            "--pool-size",
+        ),
+        (
+            ["--lane-socket", ""],
+            "argument --lane-socket: the lane cannot be off, workers register, save and load over it: leave "
+            "--lane-socket out (auto) or pass a path",
+        ),
+    ]
+    for extra, expected in cases:
+        r = _serve(*extra)
+        assert (r.returncode, _one_error_line(r)) == (2, f"kvseal serve: error: {expected}{see}"), extra
+
+
+AS_LIMIT = 1 << 30
+AS_POOL = "2GiB"
+
+
+def _pool_cannot_be_allocated() -> list[str]:
+    """A wrapper command under which allocating a 2 GiB pool fails (RLIMIT_AS of 1 GiB); with AS_POOL, a start that
+    allocated the pool before checking its addresses prints the pool's error instead of the address's."""
+    code = "import os, resource, sys; n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_AS, (n, n)); "
+    code += "os.execv(sys.argv[2], sys.argv[2:])"
+    return [sys.executable, "-c", code, str(AS_LIMIT)]
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[str]:
+    """A directory under /tmp: unix socket paths must stay under 108 bytes, which pytest's tmp_path may not."""
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="kvseal-") as tmp:
+        yield tmp
+
+
+def _listener() -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def _refused(*extra: str) -> str:
+    """Starts serve with a 2 GiB pool that cannot be allocated: the address must be refused first, with exit 1."""
+    r = _serve("--pool-size", AS_POOL, *extra, wrapper=_pool_cannot_be_allocated())
+    line = _one_error_line(r)
+    assert r.returncode == 1, line
+    return line
+
+
+def test_grpc_port_in_use_is_named_before_the_pool_is_allocated() -> None:
+    with _listener() as taken:
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        assert _refused("--listen", address) == (
+            f"kvseal serve: error: cannot listen on '{address}' (--listen): the address is in use: stop what listens "
+            "there or pass another --listen"
+        )
+
+
+def test_http_port_in_use_is_named_before_the_pool_is_allocated() -> None:
+    with _listener() as taken:
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        assert _refused("--http-listen", address) == (
+            f"kvseal serve: error: cannot listen on '{address}' (--http-listen): the address is in use: stop what "
+            "listens there or pass another --http-listen"
+        )
+
+
+def test_unix_socket_in_a_missing_directory_is_named(short_tmp: str) -> None:
+    missing = os.path.join(short_tmp, "no", "such")
+    assert _refused("--listen", f"unix:{missing}/x.sock") == (
+        f"kvseal serve: error: cannot listen on 'unix:{missing}/x.sock' (--listen): directory '{missing}' does not "
+        "exist: create it or pass another --listen"
+    )
+    assert _refused("--lane-socket", f"{missing}/x.lane") == (
+        f"kvseal serve: error: cannot listen on '{missing}/x.lane' (--lane-socket): directory '{missing}' does not "
+        "exist: create it or pass another --lane-socket"
+    )
+    assert os.listdir(short_tmp) == []
+
+
+def test_a_path_that_is_not_a_socket_is_left_alone(short_tmp: str) -> None:
+    path = os.path.join(short_tmp, "notes.txt")
+    with open(path, "w") as f:
+        f.write("mine")
+    assert _refused("--lane-socket", path) == (
+        f"kvseal serve: error: cannot listen on '{path}' (--lane-socket): '{path}' is not a socket: remove it or pass "
+        "another --lane-socket"
+    )
+    with open(path) as f:
+        assert f.read() == "mine"
+
+
+def test_a_failed_start_leaves_a_running_engines_sockets_alone(
+    short_tmp: str, engine_factory: Callable[..., EngineProcess]
+) -> None:
+    grpc_path = os.path.join(short_tmp, "engine.sock")
+    lane_path = f"{grpc_path}.lane"
+    running = engine_factory(listen=f"unix:{grpc_path}")
+    inodes = {p: os.stat(p).st_ino for p in (grpc_path, lane_path)}
+    assert _refused("--listen", f"unix:{grpc_path}") == (
+        f"kvseal serve: error: cannot listen on 'unix:{grpc_path}' (--listen): another engine serves it: stop that "
+        "engine or pass another --listen"
+    )
+    assert _refused("--lane-socket", lane_path) == (
+        f"kvseal serve: error: cannot listen on '{lane_path}' (--lane-socket): another engine serves it: stop that "
+        "engine or pass another --lane-socket"
+    )
+    assert {p: os.stat(p).st_ino for p in inodes} == inodes
+    with EngineClient(running.target) as client:
+        assert client.info().lane_socket == lane_path  # still the running engine's, over its own gRPC socket
+
+
+def test_a_stale_socket_is_replaced(short_tmp: str, engine_factory: Callable[..., EngineProcess]) -> None:
+    """A socket nobody serves (an engine that was killed) is no reason to refuse a start."""
+    grpc_path = os.path.join(short_tmp, "engine.sock")
+    for path in (grpc_path, f"{grpc_path}.lane"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stale:
+            stale.bind(path)
+    engine = engine_factory(listen=f"unix:{grpc_path}")
+    assert stat.S_ISSOCK(os.stat(grpc_path).st_mode) and engine.alive()
+
+
+def test_a_pool_the_machine_cannot_allocate_is_named() -> None:
+    r = _serve("--pool-size", AS_POOL, wrapper=_pool_cannot_be_allocated())
+    line = _one_error_line(r)
+    assert r.returncode == 1, line
+    assert re.fullmatch(
+        r"kvseal serve: error: cannot allocate the 2 GiB pool: Cannot allocate memory: pass a smaller --pool-size "
+        r"\([0-9.]+ [KMGT]iB of memory is available now; the address-space limit \(ulimit -v\) is 1 GiB\)",
+        line,
+    ), line
+
+
+def test_startup_line_names_every_address(engine: EngineProcess) -> None:
+    lane = os.path.join(tempfile.gettempdir(), f"kvseal-{engine.target.rsplit(':', 1)[1]}.lane.sock")
+    expected = (
+        f"kvseal engine serving gRPC on {engine.target}, HTTP on 127.0.0.1:{engine.http_port}, lane {lane}, "
+        "pool 67108864 bytes (64 MiB)"
+    )
+    wait_until(lambda: engine.stdout_path.read_text().endswith("\n"), 10, "the startup line")
+    assert engine.stdout_path.read_text() == expected + "\n"
+
+
+def test_version_is_the_package_version() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "kvseal", "--version"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"kvseal {importlib.metadata.version('kvseal')}\n", "")
+
+
+def _help_flags() -> dict[str, str | None]:
+    """`kvseal serve --help`'s flags (--help aside) and the default each shows (None: it shows none)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "kvseal", "serve", "--help"],
+        cwd=REPO,
+        env={k: v for k, v in os.environ.items() if k != "KVSEAL_TOKEN"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    options = r.stdout.split("\noptions:\n", 1)[1]
+    flags: dict[str, str | None] = {}
+    for entry in re.split(r"\n(?=  -)", options):  # one entry per option, its help wrapped below it
+        flag = re.match(r"\s*(?:-\w, )?(--[a-z][a-z-]*)", entry)
+        assert flag, entry
+        default = re.search(r"\(default: (.*)\)$", " ".join(entry.split()))
+        flags[flag.group(1)] = default.group(1) if default else None
+    flags.pop("--help")
+    return flags
+
+
+def _readme_flag_table() -> dict[str, str]:
+    """The README's `kvseal serve` flag table: each flag of a row's first cell -> the row's default cell."""
+    readme = (REPO / "README.md").read_text()
+    table = readme.split("| flag | default | meaning |\n| --- | --- | --- |\n", 1)[1].split("\n\n", 1)[0]
+    rows: dict[str, str] = {}
+    for line in table.splitlines():
+        flags_cell, default_cell = line.split(" | ")[:2]
+        for flag in re.findall(r"`(--[a-z][a-z-]*)`", flags_cell):
+            rows[flag] = default_cell.replace("`", "")
+    return rows
+
+
+def test_readme_flag_table_is_the_help() -> None:
+    help_flags, readme = _help_flags(), _readme_flag_table()
+    assert sorted(readme) == sorted(help_flags)
+    shown = {flag: default for flag, default in help_flags.items() if default is not None}
+    assert {flag: readme[flag] for flag in shown} == shown

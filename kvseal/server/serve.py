@@ -1,15 +1,15 @@
-"""Assembles a running engine: gRPC (engine API + grpc.health.v1) and HTTP, on the addresses asked for."""
+"""Assembles a running engine: gRPC (engine API + grpc.health.v1), HTTP and the local lane, on the addresses asked
+for. Every address is checked (kvseal.server.addresses) and gRPC's bound before the pool is allocated: a taken
+port or an unusable path fails at once instead of after faulting gigabytes in."""
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import resource
-import tempfile
 import threading
 from concurrent import futures
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -17,57 +17,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvseal.engine.engine import Engine
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
+from kvseal.server.addresses import StartError, bind_failure, check_addresses, check_unix, lane_socket_path, unix_path
+from kvseal.server.config import ServeConfig, check_config, format_size
 from kvseal.server.http import HttpServer
 from kvseal.server.lane import LaneServer
 from kvseal.server.metrics import Metrics
 from kvseal.server.service import EngineService
 
+__all__ = ["EngineServer", "ServeConfig", "StartError"]
+
 log = logging.getLogger("kvseal.server")
 MAX_MESSAGE_BYTES = 16 << 20  # the largest valid Query (131072 hashes of 64 bytes) is ~9 MiB
-
-
-@dataclass(frozen=True, slots=True)
-class ServeConfig:
-    listen: str = "127.0.0.1:50055"
-    http_listen: str = "127.0.0.1:9091"
-    pool_bytes: int = 1 << 30
-    slab_bytes: int = 64 << 20
-    lease_ttl_s: float = 30.0
-    inflight_timeout_s: float = 60.0
-    allow_remote: bool = False
-    token: str | None = None
-    max_workers: int = 128
-    prefault: bool = True
-    lane_socket: str = "auto"  # unix socket path of the local lane; "auto" derives one, "" turns it off
-    lane_group: str | None = None  # the lane socket becomes 0660 with this group: other local users may connect
-    lane_max_connections: int = 4096
-    lane_idle_timeout_s: float = 60.0
-
-
-def is_loopback(address: str) -> bool:
-    """Whether a gRPC/HTTP listen address only accepts local connections."""
-    if address.startswith("unix:"):
-        return True
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_config(cfg: ServeConfig) -> None:
-    if not cfg.lane_socket:
-        raise SystemExit("--lane-socket cannot be off: workers register, save and load over the local lane")
-    remote = [a for a in (cfg.listen, cfg.http_listen) if a and not is_loopback(a)]
-    if remote and not cfg.allow_remote:
-        raise SystemExit(
-            f"refusing to listen on non-loopback {remote[0]!r}: pass --allow-remote and a token (--token or "
-            "KVSEAL_TOKEN) if other machines must reach this engine"
-        )
-    if remote and not cfg.token:
-        raise SystemExit("--allow-remote needs a shared token: pass --token or set KVSEAL_TOKEN")
 
 
 class _TokenInterceptor(grpc.ServerInterceptor):
@@ -86,22 +46,16 @@ class _TokenInterceptor(grpc.ServerInterceptor):
 
 
 class EngineServer:
-    """A running engine. `start()` binds and serves; `stop()` ends sessions and shuts both servers down."""
+    """A running engine. `start()` binds and serves (StartError when this machine refuses); `stop()` ends sessions
+    and shuts every server down."""
+
+    engine: Engine
+    metrics: Metrics
+    service: EngineService
 
     def __init__(self, cfg: ServeConfig) -> None:
         check_config(cfg)
         self.cfg = cfg
-        self.engine = Engine(
-            cfg.pool_bytes,
-            slab_bytes=cfg.slab_bytes,
-            prefault=cfg.prefault,
-            lease_ttl_s=cfg.lease_ttl_s,
-            inflight_timeout_s=cfg.inflight_timeout_s,
-        )
-        self.metrics = Metrics(self.engine)
-        self.service = EngineService(
-            self.engine, self.metrics, token=cfg.token is not None, unix=cfg.listen.startswith("unix:")
-        )
         interceptors = [_TokenInterceptor(cfg.token)] if cfg.token else []
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="kvseal-rpc"),
@@ -113,65 +67,91 @@ class EngineServer:
             ],
             maximum_concurrent_rpcs=cfg.max_workers,
         )
-        pb_grpc.add_EngineServicer_to_server(self.service, self._grpc)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         self._http: HttpServer | None = None
         self._lane: LaneServer | None = None
+        self._grpc_socket: tuple[str, int] | None = None  # (path, inode) of the unix socket gRPC bound
         self._stop = threading.Event()
         self.port = 0
+        self.lane_socket = ""
 
     def start(self) -> None:
-        _raise_fd_limit()
-        listen = self.cfg.listen
-        old_umask = os.umask(0o177) if listen.startswith("unix:") else None
         try:
-            self.port = self._grpc.add_insecure_port(listen)
-        except RuntimeError as e:
-            raise SystemExit(f"cannot listen on {listen!r}: {e}") from None
-        finally:
-            if old_umask is not None:
-                os.umask(old_umask)
-        if self.port == 0 and not listen.startswith("unix:"):
-            raise SystemExit(f"cannot listen on {listen!r}: address in use or invalid")
+            self._start()
+        except BaseException:
+            self.stop(0)  # releases only what this engine bound
+            raise
+
+    def _start(self) -> None:
+        cfg = self.cfg
+        _raise_fd_limit()
+        check_addresses(cfg)
+        grpc_path = unix_path(cfg.listen)
+        self.port = self._bind_grpc(grpc_path)
+        self.lane_socket = lane_socket_path(cfg, self.port)
+        check_unix(self.lane_socket, self.lane_socket, "--lane-socket")  # its name may come from the port just bound
+
+        self.engine = _allocate_engine(cfg)
+        self.metrics = Metrics(self.engine)
+        self.service = EngineService(self.engine, self.metrics, token=cfg.token is not None, unix=bool(grpc_path))
         self.service.port = self.port
+        pb_grpc.add_EngineServicer_to_server(self.service, self._grpc)
         self._grpc.start()
-        if listen.startswith("unix:"):
-            os.chmod(listen.removeprefix("unix:").removeprefix("//"), 0o600)
-        if self.cfg.http_listen:
-            host, port = self.cfg.http_listen.rsplit(":", 1)
+        if cfg.http_listen:
+            host, port = cfg.http_listen.rsplit(":", 1)
             try:
-                self._http = HttpServer(host.strip("[]"), int(port), self.engine, self.metrics, self.cfg.token)
-            except OSError as e:
-                self._grpc.stop(0)
-                raise SystemExit(f"cannot listen on {self.cfg.http_listen!r} (HTTP): {e.strerror}") from None
+                self._http = HttpServer(host.strip("[]"), int(port), self.engine, self.metrics, cfg.token)
+            except OSError as e:  # taken since check_addresses()
+                raise bind_failure(cfg.http_listen, "--http-listen", e) from None
             self._http.start()
-        if self.cfg.lane_socket:
-            path = self.cfg.lane_socket
-            if path == "auto":
-                path = (
-                    listen.removeprefix("unix:").removeprefix("//") + ".lane"
-                    if listen.startswith("unix:")
-                    else os.path.join(tempfile.gettempdir(), f"kvseal-{self.port}.lane.sock")
-                )
-            self._lane = LaneServer(
-                path,
-                self.engine,
-                self.metrics,
-                token=self.cfg.token,
-                group=self.cfg.lane_group,
-                max_connections=self.cfg.lane_max_connections,
-                idle_timeout_s=self.cfg.lane_idle_timeout_s,
-            )
-            self._lane.start()
-            self.service.lane_socket = path
+        self._lane = LaneServer(
+            self.lane_socket,
+            self.engine,
+            self.metrics,
+            token=cfg.token,
+            group=cfg.lane_group,
+            max_connections=cfg.lane_max_connections,
+            idle_timeout_s=cfg.lane_idle_timeout_s,
+        )
+        self._lane.start()
+        self.service.lane_socket = self.lane_socket
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._health.set("kvseal.v1.Engine", health_pb2.HealthCheckResponse.SERVING)
         threading.Thread(target=self._tick, name="kvseal-tick", daemon=True).start()
 
+    def _bind_grpc(self, grpc_path: str | None) -> int:
+        listen = self.cfg.listen
+        old_umask = os.umask(0o177) if grpc_path else None
+        try:
+            port = self._grpc.add_insecure_port(listen)
+        except RuntimeError:
+            port = 0  # taken since check_addresses(); gRPC logged why
+        finally:
+            if old_umask is not None:
+                os.umask(old_umask)
+        if port == 0:
+            raise StartError(f"cannot listen on {listen!r} (--listen): gRPC could not bind it: pass another --listen")
+        if grpc_path:
+            os.chmod(grpc_path, 0o600)
+            self._grpc_socket = (grpc_path, os.stat(grpc_path).st_ino)
+        return port
+
     @property
-    def http_port(self) -> int:
-        return self._http.port if self._http else 0
+    def grpc_address(self) -> str:
+        """Where gRPC listens, with the port it got for a port 0."""
+        listen = self.cfg.listen
+        return listen if listen.startswith("unix:") else f"{listen.rsplit(':', 1)[0]}:{self.port}"
+
+    @property
+    def http_address(self) -> str:
+        """Where HTTP listens ('' when off), with the port it got for a port 0."""
+        return f"{self.cfg.http_listen.rsplit(':', 1)[0]}:{self._http.port}" if self._http else ""
+
+    @property
+    def pool_bytes(self) -> int:
+        """The pool's size: --pool-size rounded down to whole slabs."""
+        return self.engine.store.arena_bytes
 
     def _tick(self) -> None:
         while not self._stop.wait(1.0):
@@ -190,10 +170,48 @@ class EngineServer:
         self._stop.set()
         self._health.enter_graceful_shutdown()
         self._grpc.stop(grace).wait()
+        if self._grpc_socket:  # gRPC removes its socket only if it got to serving
+            _unlink_if_same(*self._grpc_socket)
         if self._lane:
             self._lane.stop()
         if self._http:
             self._http.stop()
+
+
+def _unlink_if_same(path: str, inode: int) -> None:
+    """Removes `path` if it is still the file this engine created (not another engine's since)."""
+    try:
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def _allocate_engine(cfg: ServeConfig) -> Engine:
+    try:
+        return Engine(
+            cfg.pool_bytes,
+            slab_bytes=cfg.slab_bytes,
+            prefault=cfg.prefault,
+            lease_ttl_s=cfg.lease_ttl_s,
+            inflight_timeout_s=cfg.inflight_timeout_s,
+        )
+    except OSError as e:  # mmap: ENOMEM past the overcommit or the address-space limit
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        limit_note = (
+            "" if limit == resource.RLIM_INFINITY else f"; the address-space limit (ulimit -v) is {format_size(limit)}"
+        )
+        raise StartError(
+            f"cannot allocate the {format_size(cfg.pool_bytes)} pool: {e.strerror}: pass a smaller --pool-size "
+            f"({format_size(_available_memory())} of memory is available now{limit_note})"
+        ) from None
+
+
+def _available_memory() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _raise_fd_limit() -> None:

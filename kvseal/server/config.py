@@ -1,0 +1,97 @@
+"""What `kvseal serve` runs with, and the checks of it that need no engine: kept free of grpc, numpy and the engine
+so that a wrong command line is refused at once."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass
+
+from kvseal.core.store import PAGE_ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    listen: str = "127.0.0.1:50055"
+    http_listen: str = "127.0.0.1:9091"
+    pool_bytes: int = 1 << 30
+    slab_bytes: int = 64 << 20
+    lease_ttl_s: float = 30.0
+    inflight_timeout_s: float = 60.0
+    allow_remote: bool = False
+    token: str | None = None
+    max_workers: int = 128
+    prefault: bool = True
+    lane_socket: str = "auto"  # unix socket path of the local lane; "auto" derives one from `listen`
+    lane_group: str | None = None  # the lane socket becomes 0660 with this group: other local users may connect
+    lane_max_connections: int = 4096
+    lane_idle_timeout_s: float = 60.0
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run anywhere: a usage error. The message starts with the flag at fault."""
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a gRPC/HTTP listen address only accepts local connections."""
+    if address.startswith("unix:"):
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def format_size(n: int) -> str:
+    """1073741824 -> '1 GiB', 25052033024 -> '23.3 GiB'."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f}".removesuffix(".0") + f" {unit}"
+    return f"{n} bytes"
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_config(cfg: ServeConfig) -> None:
+    """Raises ConfigError naming the flag and the fix when `cfg` cannot run here."""
+    if cfg.slab_bytes > cfg.pool_bytes:
+        raise ConfigError(
+            f"argument --slab-size: {format_size(cfg.slab_bytes)} is more than --pool-size "
+            f"({format_size(cfg.pool_bytes)}): pass a smaller --slab-size or a larger --pool-size"
+        )
+    if cfg.slab_bytes < PAGE_ALIGN:
+        raise ConfigError(f"argument --slab-size: must be at least {PAGE_ALIGN} bytes, pages are aligned to that")
+    if cfg.pool_bytes > physical_memory():
+        # past the machine's memory, mmap refuses the pool or the OOM killer ends the engine while faulting it in
+        raise ConfigError(
+            f"argument --pool-size: {format_size(cfg.pool_bytes)} is more than this machine's memory "
+            f"({format_size(physical_memory())}): pass a smaller size, such as 1GiB"
+        )
+    if not cfg.lane_socket:
+        raise ConfigError(
+            "argument --lane-socket: the lane cannot be off, workers register, save and load over it: leave "
+            "--lane-socket out (auto) or pass a path"
+        )
+    remote = [
+        (flag, a)
+        for flag, a in (("--listen", cfg.listen), ("--http-listen", cfg.http_listen))
+        if a and not is_loopback(a)
+    ]
+    if remote and not cfg.allow_remote:
+        flag, address = remote[0]
+        # the local fix comes first: opening the engine to other machines exposes every tenant's KV
+        raise ConfigError(
+            f"argument {flag}: {address!r} is not a loopback address, and the engine listens on loopback only: "
+            f"pass 127.0.0.1:{address.rsplit(':', 1)[1]} (for other machines to reach it, add --allow-remote and "
+            "--token)"
+        )
+    if remote and not cfg.token:
+        raise ConfigError(
+            f"argument --allow-remote: listening on {remote[0][1]!r} needs a shared token too: pass --token or set "
+            "$KVSEAL_TOKEN"
+        )
