@@ -83,9 +83,26 @@ class FileDevice:
                 f"{self.dir}: capacity {capacity_bytes} bytes holds fewer than 2 segments of {segment_bytes} bytes"
             )
         self.direct = _supports_direct(self.dir)
+        self.readonly = False
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
         self._buffers = _AlignedBuffers()
+
+    @classmethod
+    def existing(cls, directory: str | os.PathLike[str]) -> FileDevice:
+        """A read-only view of a tier directory (a stopped engine's, for inspection): opens files O_RDONLY, creates
+        and changes nothing; the segment size is the files'."""
+        dev = cls.__new__(cls)
+        dev.dir = Path(directory)
+        dev.name = str(dev.dir)
+        if not dev.dir.is_dir():
+            raise FileNotFoundError(f"{dev.dir} is not a directory")
+        dev._fds, dev._lock, dev._buffers = {}, threading.Lock(), _AlignedBuffers()
+        dev.direct, dev.readonly = False, True
+        sizes = {os.stat(dev.path(seq)).st_size for seq in dev.segments()}
+        dev.segment_bytes = max(sizes, default=ALIGN)
+        dev.max_segments = len(sizes) + 2
+        return dev
 
     def path(self, seq: int) -> Path:
         return self.dir / f"seg-{seq:08d}.kvs"
@@ -108,7 +125,8 @@ class FileDevice:
         with self._lock:
             fd = self._fds.get(seq)
             if fd is None:
-                fd = self._fds[seq] = os.open(self.path(seq), os.O_RDWR | os.O_CLOEXEC | self._direct_flag())
+                mode = os.O_RDONLY if self.readonly else os.O_RDWR | self._direct_flag()
+                fd = self._fds[seq] = os.open(self.path(seq), mode | os.O_CLOEXEC)
             return fd
 
     def _direct_flag(self) -> int:

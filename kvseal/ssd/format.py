@@ -63,6 +63,7 @@ _ENTRY = np.dtype(
         ("hash", "S64"),
     ]
 )
+_HASH_AT = _ENTRY.fields["hash"][1]
 
 
 class FormatError(Exception):
@@ -167,9 +168,16 @@ def header_len(namespace_final: str, block_hash: bytes) -> int:
 
 
 def encode_record_header(
-    kind: int, tenant: int, namespace_final: str, digest: bytes, block_hash: bytes, payload: bytes | memoryview
+    kind: int,
+    tenant: int,
+    namespace_final: str,
+    digest: bytes,
+    block_hash: bytes,
+    payload: bytes | memoryview,
+    payload_xxh: int | None = None,
 ) -> bytes:
-    """The header of a record whose payload is `payload`; the payload follows it at offset len(header)."""
+    """The header of a record whose payload is `payload` (whose checksum the caller may have computed already);
+    the payload follows it at offset len(header)."""
     ns = namespace_final.encode()
     if len(block_hash) > MAX_HASH_BYTES or len(digest) != 32:
         raise ValueError("block hash over 64 bytes or digest not 32 bytes")
@@ -186,7 +194,7 @@ def encode_record_header(
         0,
         len(payload),
         digest,
-        checksum(payload),
+        checksum(payload) if payload_xxh is None else payload_xxh,
     )
     variable = ns + block_hash
     return (
@@ -270,6 +278,13 @@ def decode_summary(payload: bytes | memoryview) -> tuple[list[Namespace], np.nda
     return table, rows
 
 
-def entry_hash(rows: np.ndarray, i: int) -> bytes:
-    """The block hash of entry i (numpy's S64 drops trailing zero bytes: the stored length restores them)."""
-    return rows["hash"][i].ljust(int(rows["hash_len"][i]), b"\0")[: int(rows["hash_len"][i])]
+def entry_hashes(rows: np.ndarray) -> list[bytes]:
+    """The block hashes of summary entries, each its stored length (numpy's S64 would drop trailing zero bytes)."""
+    rows = np.ascontiguousarray(rows)
+    raw = rows.view(np.uint8).reshape(len(rows), _ENTRY.itemsize)[:, _HASH_AT : _HASH_AT + MAX_HASH_BYTES]
+    lengths = rows["hash_len"]
+    if len(rows) and (lengths == lengths[0]).all():  # the usual case: one hash length, one slice per hash
+        n = int(lengths[0])
+        blob = np.ascontiguousarray(raw[:, :n]).tobytes()
+        return [blob[i : i + n] for i in range(0, len(blob), n)] if n else [b""] * len(rows)
+    return [raw[i, : int(length)].tobytes() for i, length in enumerate(lengths.tolist())]

@@ -29,10 +29,11 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -43,9 +44,11 @@ from kvseal.ssd.device import ALIGN, Device, aligned_buffer
 log = logging.getLogger("kvseal.ssd")
 
 NamespaceKey = tuple[int, str]  # (tenant, namespace_final)
+_Group = tuple[fmt.Namespace, list[int], list[bytes]]  # a namespace of a segment: its blocks' offsets and hashes
 _MAX_READ_RUN = 16 << 20  # one device read covers adjacent records up to this many bytes
 _MAX_READ_GAP = 64 << 10  # records this close are read together (the gap is padding between write batches)
 RECOVERY_MODES = ("scan", "strict", "none")
+WRITE_DEPTH = 2  # device writes in flight per path: one being written while the next is built
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +88,13 @@ class _Segment:
     used: int = fmt.SEGMENT_HEADER_BYTES
     table: list[fmt.Namespace] = field(default_factory=list)
     refs: dict[int, int] = field(default_factory=dict)  # id(_Namespace) -> ref in the table
-    entries: list[fmt.SummaryEntry] = field(default_factory=list)
+    entries: list[fmt.SummaryEntry] = field(default_factory=list)  # of the records written
+    planned: int = 0  # records built for this segment, written or still in flight
     table_bytes: int = 0
 
     def summary_reserve(self, more_entries: int = 0, more_table: int = 0) -> int:
         """Bytes the summary record needs if `more_entries` records are added (4 KiB of slack for its header)."""
-        entries = (len(self.entries) + more_entries) * fmt._ENTRY.itemsize
+        entries = (max(len(self.entries), self.planned) + more_entries) * fmt._ENTRY.itemsize
         return fmt.align(4 + self.table_bytes + more_table + entries, ALIGN) + ALIGN
 
 
@@ -103,10 +107,12 @@ class _Device:
     failed: str = ""
     active: _Segment | None = None
     sealed: list[int] = field(default_factory=list)  # oldest first
-    members: dict[int, list[tuple[_Namespace, bytes]]] = field(default_factory=dict)  # seq -> its blocks
+    members: dict[int, list[tuple[_Namespace, list[bytes]]]] = field(default_factory=dict)  # seq -> its blocks
     next_seq: int = 1
     thread: threading.Thread | None = None
-    staging: object = None  # the writer's aligned staging buffer (mmap), grown on demand
+    io: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(WRITE_DEPTH, "kvseal-ssd-io"))
+    staging: list[Any] = field(default_factory=list)  # WRITE_DEPTH aligned staging buffers (mmap), grown on demand
+    turn: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,26 +327,64 @@ class DiskTier:
         )
 
     def _append(self, d: _Device, jobs: list[_Job]) -> None:
-        """Writes the jobs' blocks as records, in as few device writes as segments and the batch size allow."""
+        """Writes the jobs' blocks as records, in as few device writes as segments and the batch size allow, with
+        up to WRITE_DEPTH writes in flight (the next batch is built while the last one goes to the disk). A batch
+        becomes visible in the index when its write returned; the first failure is raised once all have ended."""
         records = [(j.ns, item) for j in jobs for item in j.items]
+        inflight: deque[tuple[Future[None], Callable[[], None]]] = deque()
+        error: OSError | None = None
+
+        def finish_oldest() -> None:
+            nonlocal error
+            future, commit = inflight.popleft()
+            try:
+                future.result()
+                commit()
+            except OSError as e:
+                error = error or e
+
         pos = 0
-        while pos < len(records):
-            seg = d.active
-            ns, item = records[pos]
-            need = _record_bytes(ns, item.block_hash) + _layout_bytes(ns)
-            if seg is None or seg.used + need + seg.summary_reserve(2, len(ns.descriptor) + 64) > self._segment_bytes(
-                d
-            ):
-                seg = self._next_segment(d)
-            pos = self._write_chunk(d, seg, records, pos)
+        try:
+            while pos < len(records) and error is None:
+                seg = d.active
+                ns, item = records[pos]
+                need = _record_bytes(ns, item.block_hash) + _layout_bytes(ns)
+                if seg is None or seg.used + need + seg.summary_reserve(2, len(ns.descriptor) + 64) > (
+                    d.device.segment_bytes
+                ):
+                    while inflight:
+                        finish_oldest()
+                    if error is not None:
+                        break
+                    seg = self._next_segment(d)
+                if len(inflight) == WRITE_DEPTH:
+                    finish_oldest()
+                slot = d.turn % WRITE_DEPTH  # the buffer of the write WRITE_DEPTH writes ago, which has ended
+                d.turn += 1
+                pos, start, view, commit = self._build_chunk(d, seg, records, pos, slot)
+                seg.used = start + len(view)  # reserved now: the next batch goes after it
+                inflight.append((d.io.submit(self._timed_write, d, seg.seq, start, view), commit))
+        finally:
+            while inflight:
+                finish_oldest()
+        if error is not None:
+            raise error
 
-    def _segment_bytes(self, d: _Device) -> int:
-        return d.device.segment_bytes
+    def _timed_write(self, d: _Device, seq: int, offset: int, view: memoryview) -> None:
+        t0 = time.perf_counter()
+        d.device.write(seq, offset, view)
+        with self._lock:
+            self._writes += 1
+            self._write_bytes += len(view)
+            self._write_seconds += time.perf_counter() - t0
 
-    def _write_chunk(self, d: _Device, seg: _Segment, records: list[tuple[_Namespace, WriteItem]], pos: int) -> int:
-        """Builds as many records as fit in the segment and the batch, from records[pos], and writes them. Returns
-        the position after the last one written."""
-        limit = self._segment_bytes(d)
+    def _build_chunk(
+        self, d: _Device, seg: _Segment, records: list[tuple[_Namespace, WriteItem]], pos: int, slot: int
+    ) -> tuple[int, int, memoryview, Callable[[], None]]:
+        """Builds as many records as fit in the segment and the batch, from records[pos], in a staging buffer.
+        Returns the position after the last one, the segment offset and bytes to write, and what makes them
+        visible once written."""
+        limit = d.device.segment_bytes
         start = seg.used
         plan: list[tuple[int, _Namespace, int, bytes]] = []  # (offset, ns, kind, hash) in write order
         offset = start
@@ -367,9 +411,17 @@ class DiskTier:
             offset += _record_bytes(ns, item.block_hash)
             end += 1
         assert end > pos, "a segment that was just opened holds at least one record"
+        for ns in new_refs.values():  # the table is the segment's from now on (only this thread uses it)
+            seg.refs[id(ns)] = len(seg.table)
+            seg.table.append(fmt.Namespace(ns.tenant, ns.name, ns.descriptor))
+            seg.table_bytes += len(ns.descriptor) + len(ns.name) + 32
+        seg.planned += len(plan)
         total = fmt.align(offset - start, ALIGN)
-        buf = self._staging(d, total)
-        view = memoryview(buf)
+        while len(d.staging) <= slot:
+            d.staging.append(None)
+        if d.staging[slot] is None or len(d.staging[slot]) < total:
+            d.staging[slot] = aligned_buffer(max(total, self.batch_bytes))
+        view = memoryview(d.staging[slot])
         entries: list[fmt.SummaryEntry] = []
         item_iter = iter(records[pos:end])
         for at, ns, kind, block_hash in plan:
@@ -383,42 +435,31 @@ class DiskTier:
             hlen = fmt.header_len(ns.name, block_hash)
             payload = view[local + hlen : local + hlen + ns.page_bytes]
             payload[:] = item.page
-            head = fmt.encode_record_header(fmt.BLOCK, ns.tenant, ns.name, ns.layout.digest, block_hash, payload)
+            xxh = fmt.checksum(payload)
+            head = fmt.encode_record_header(fmt.BLOCK, ns.tenant, ns.name, ns.layout.digest, block_hash, payload, xxh)
             view[local : local + hlen] = head
             rlen = fmt.align(hlen + ns.page_bytes, fmt.RECORD_ALIGN)
             view[local + hlen + ns.page_bytes : local + rlen] = bytes(rlen - hlen - ns.page_bytes)
-            entries.append(fmt.SummaryEntry(fmt.BLOCK, 0, at, rlen, fmt.checksum(payload), block_hash))
+            entries.append(fmt.SummaryEntry(fmt.BLOCK, 0, at, rlen, xxh, block_hash))
         view[offset - start : total] = bytes(total - (offset - start))
-        t0 = time.perf_counter()
-        d.device.write(seg.seq, start, view[:total])
-        elapsed = time.perf_counter() - t0
-        with self._lock:
-            for ns in new_refs.values():
-                seg.refs[id(ns)] = len(seg.table)
-                seg.table.append(fmt.Namespace(ns.tenant, ns.name, ns.descriptor))
-                seg.table_bytes += len(ns.descriptor) + len(ns.name) + 32
-            members = d.members.setdefault(seg.seq, [])
-            for (at, ns, kind, block_hash), e in zip(plan, entries, strict=True):
-                seg.entries.append(
-                    fmt.SummaryEntry(e.kind, seg.refs[id(ns)], e.offset, e.record_len, e.payload_xxh, e.block_hash)
-                )
-                if kind == fmt.BLOCK:
-                    if block_hash not in ns.blocks:
-                        self._records += 1
-                        self._bytes += ns.page_bytes
-                    ns.blocks[block_hash] = _loc(d.index, seg.seq, at)
-                    members.append((ns, block_hash))
-            seg.used = start + total
-            self._writes += 1
-            self._write_bytes += total
-            self._write_seconds += elapsed
-        return end
 
-    def _staging(self, d: _Device, n: int) -> object:
-        buf = d.staging
-        if buf is None or len(buf) < n:  # type: ignore[arg-type]
-            buf = d.staging = aligned_buffer(max(n, self.batch_bytes))
-        return buf
+        def commit() -> None:
+            with self._lock:
+                written: dict[int, tuple[_Namespace, list[bytes]]] = {}
+                for (at, ns, kind, block_hash), e in zip(plan, entries, strict=True):
+                    ref = seg.refs[id(ns)]
+                    seg.entries.append(
+                        fmt.SummaryEntry(e.kind, ref, e.offset, e.record_len, e.payload_xxh, e.block_hash)
+                    )
+                    if kind == fmt.BLOCK:
+                        if block_hash not in ns.blocks:
+                            self._records += 1
+                            self._bytes += ns.page_bytes
+                        ns.blocks[block_hash] = _loc(d.index, seg.seq, at)
+                        written.setdefault(id(ns), (ns, []))[1].append(block_hash)
+                d.members.setdefault(seg.seq, []).extend(written.values())
+
+        return end, start, view[:total], commit
 
     def _next_segment(self, d: _Device) -> _Segment:
         """Seals the active segment, makes room (the oldest segment goes when the device is full), opens a new one."""
@@ -429,8 +470,7 @@ class DiskTier:
         seq = d.next_seq
         d.next_seq += 1
         d.device.create(seq)
-        header = fmt.encode_segment_header(fmt.SegmentHeader(seq, time.time(), False))
-        d.device.write(seq, 0, memoryview(header))
+        d.device.write(seq, 0, _aligned(fmt.encode_segment_header(fmt.SegmentHeader(seq, time.time(), False))))
         d.active = _Segment(seq)
         return d.active
 
@@ -440,13 +480,10 @@ class DiskTier:
         payload = fmt.encode_summary(seg.table, seg.entries)
         record = fmt.encode_record(fmt.SUMMARY, 0, "", bytes(32), b"", payload)
         at = seg.used
-        padded = fmt.align(len(record), ALIGN)
-        buf = aligned_buffer(padded)
-        buf[: len(record)] = record
-        d.device.write(seg.seq, at, memoryview(buf)[:padded])
+        d.device.write(seg.seq, at, _aligned(record))
         d.device.sync(seg.seq)
         header = fmt.encode_segment_header(fmt.SegmentHeader(seg.seq, time.time(), True, at, len(record)))
-        d.device.write(seg.seq, 0, memoryview(header))
+        d.device.write(seg.seq, 0, _aligned(header))
         d.device.sync(seg.seq)
         d.sealed.append(seg.seq)
         d.active = None
@@ -455,12 +492,13 @@ class DiskTier:
         """Drops a sealed segment: its index entries now, its file once no read uses it."""
         with self._lock:
             d.sealed.remove(seq)
-            for ns, block_hash in d.members.pop(seq, []):
-                loc = ns.blocks.get(block_hash)
-                if loc is not None and _unloc(loc)[:2] == (d.index, seq):
-                    del ns.blocks[block_hash]
-                    self._records -= 1
-                    self._bytes -= ns.page_bytes
+            for ns, block_hashes in d.members.pop(seq, []):
+                for block_hash in block_hashes:
+                    loc = ns.blocks.get(block_hash)
+                    if loc is not None and _unloc(loc)[:2] == (d.index, seq):
+                        del ns.blocks[block_hash]
+                        self._records -= 1
+                        self._bytes -= ns.page_bytes
             if self._reading[(d.index, seq)]:
                 self._doomed.add((d.index, seq))
                 return
@@ -469,7 +507,13 @@ class DiskTier:
     # ------------------------------------------------------------------ read
 
     def read(
-        self, key: NamespaceKey, layout: Layout, hashes: Sequence[bytes], destinations: Sequence[memoryview]
+        self,
+        key: NamespaceKey,
+        layout: Layout,
+        hashes: Sequence[bytes],
+        destinations: Sequence[memoryview],
+        *,
+        quarantine: bool = True,
     ) -> list[str]:
         """Reads the blocks of `hashes` into `destinations` (one page each), verified. Returns per block "" (read)
         or the reason it was not: checksum, truncated, digest, mismatch, missing, io."""
@@ -486,7 +530,9 @@ class DiskTier:
             for dev, seq, _, _, _ in runs:
                 self._reading[(dev, seq)] += 1
         t0 = time.perf_counter()
-        futures = [self._reader.submit(self._read_run, ns, run, hashes, destinations, results) for run in runs]
+        futures = [
+            self._reader.submit(self._read_run, ns, run, hashes, destinations, results, quarantine) for run in runs
+        ]
         nbytes = sum(f.result() for f in futures)
         elapsed = time.perf_counter() - t0
         remove = []
@@ -513,6 +559,7 @@ class DiskTier:
         hashes: Sequence[bytes],
         destinations: Sequence[memoryview],
         results: list[str],
+        quarantine: bool,
     ) -> int:
         dev, seq, start, end, positions = run
         try:
@@ -534,7 +581,8 @@ class DiskTier:
                 results[i] = ""
             except fmt.FormatError as e:
                 results[i] = e.reason
-                self._quarantine(ns, hashes[i], loc, e)
+                if quarantine:
+                    self._quarantine(ns, hashes[i], loc, e)
         return len(data)
 
     def _quarantine(self, ns: _Namespace, block_hash: bytes, loc: int, error: fmt.FormatError) -> None:
@@ -577,6 +625,24 @@ class DiskTier:
                 devices=tuple(d.device.name for d in self._devices),
             )
 
+    def inspect(self, verify: bool = False) -> tuple[RecoveryReport, dict[NamespaceKey, dict[str, int]]]:
+        """What the devices hold, changing nothing (for a stopped engine's directory): the recovery report, and per
+        namespace its records and, with `verify`, how many of them fail their checks when read in full."""
+        report = _Recovery(self, "scan", readonly=True).run()
+        out: dict[NamespaceKey, dict[str, int]] = {}
+        for key, ns in self._namespaces.items():
+            entry = {"records": len(ns.blocks), "page_bytes": ns.page_bytes}
+            if verify:
+                block_hashes = list(ns.blocks)
+                for i in range(0, len(block_hashes), 256):
+                    chunk = block_hashes[i : i + 256]
+                    scratch = [memoryview(bytearray(ns.page_bytes)) for _ in chunk]
+                    for reason in self.read(key, ns.layout, chunk, scratch, quarantine=False):
+                        if reason:
+                            entry[reason] = entry.get(reason, 0) + 1
+            out[key] = entry
+        return report, out
+
     def flush(self, timeout: float = 60.0) -> None:
         """Waits until every queued batch has been written or given up (for tests and orderly shutdowns)."""
         deadline = time.monotonic() + timeout
@@ -587,6 +653,13 @@ class DiskTier:
             if time.monotonic() > deadline:
                 raise TimeoutError("the SSD writers did not drain in time")
             time.sleep(0.001)
+
+
+def _aligned(data: bytes) -> memoryview:
+    """`data` in page-aligned memory, zero padded to ALIGN (O_DIRECT writes need both)."""
+    buf = aligned_buffer(len(data))
+    buf[: len(data)] = data
+    return memoryview(buf)[: fmt.align(len(data), ALIGN)]
 
 
 def _record_bytes(ns: _Namespace, block_hash: bytes, name_len: int | None = None) -> int:
@@ -619,6 +692,22 @@ def _runs(
     return runs
 
 
+class _Window:
+    """Reads of one segment through a large window, so a scan costs one device read per window, not per record."""
+
+    SIZE = 8 << 20
+
+    def __init__(self, device: Device, seq: int) -> None:
+        self.device, self.seq = device, seq
+        self.start, self.data = 0, memoryview(b"")
+
+    def view(self, at: int, n: int) -> memoryview:
+        """Bytes [at, at + n) (fewer at the segment's end), valid until the next call."""
+        if at < self.start or at + n > self.start + len(self.data):
+            self.start, self.data = at, self.device.read(self.seq, at, max(n, self.SIZE))
+        return self.data[at - self.start : at - self.start + n]
+
+
 def _verified_payload(ns: _Namespace, data: memoryview, block_hash: bytes) -> memoryview:
     header = fmt.decode_record_header(data)
     if header.kind != fmt.BLOCK or header.block_hash != block_hash:
@@ -636,9 +725,10 @@ def _verified_payload(ns: _Namespace, data: memoryview, block_hash: bytes) -> me
 
 
 class _Recovery:
-    def __init__(self, tier: DiskTier, mode: str) -> None:
+    def __init__(self, tier: DiskTier, mode: str, readonly: bool = False) -> None:
         self.tier = tier
         self.mode = mode
+        self.readonly = readonly  # inspect: change nothing on the devices
         self.bad: Counter[str] = Counter()
         self.records = self.segments = self.scanned = self.torn = 0
         self.rekeyed: dict[str, str] = {}
@@ -675,46 +765,46 @@ class _Recovery:
         device = d.device
         try:
             header = fmt.decode_segment_header(device.read(seq, 0, fmt.SEGMENT_HEADER_BYTES))
-        except fmt.FormatError as e:
-            self._fault(f"{device.name} segment {seq}", e)
-            device.remove(seq)
-            return
-        entries: list[tuple[int, fmt.Namespace, int, bytes]] | None = None
+        except fmt.FormatError as e:  # its records describe themselves: scan them, and seal it again
+            self._fault(f"{device.name} segment {seq} header (scanning instead)", e)
+            header = fmt.SegmentHeader(seq, 0.0, False)
+        groups: list[_Group] | None = None
         if header.sealed:
             try:
-                entries = self._summary(d, seq, header)
+                groups = self._summary(d, seq, header)
             except fmt.FormatError as e:
                 self._fault(f"{device.name} segment {seq} summary (scanning instead)", e)
         end = 0
-        if entries is None:
-            entries, end = self._scan(d, seq)
+        if groups is None:
+            groups, end = self._scan(d, seq)
             self.scanned += 1
         self.segments += 1
         members = d.members.setdefault(seq, [])
         tier = self.tier
-        for offset, table_ns, _, block_hash in entries:
-            if offset in quarantined:
-                continue
+        base = _loc(d.index, seq, 0)
+        for table_ns, offsets, block_hashes in groups:
             ns = self._namespace(table_ns)
             if ns is None:
                 continue
-            if block_hash not in ns.blocks:
-                tier._records += 1
-                tier._bytes += ns.page_bytes
-            ns.blocks[block_hash] = _loc(d.index, seq, offset)
-            members.append((ns, block_hash))
-            self.records += 1
-        if header.sealed and end == 0:
+            if quarantined:
+                kept = [(o, h) for o, h in zip(offsets, block_hashes, strict=True) if o not in quarantined]
+                offsets, block_hashes = [o for o, _ in kept], [h for _, h in kept]
+            before = len(ns.blocks)
+            ns.blocks.update(zip(block_hashes, [base + o for o in offsets], strict=True))
+            added = len(ns.blocks) - before
+            tier._records += added
+            tier._bytes += added * ns.page_bytes
+            members.append((ns, block_hashes))
+            self.records += len(block_hashes)
+        if (header.sealed and end == 0) or self.readonly:
             d.sealed.append(seq)
             return
         # a segment that was being written: seal what is valid, so it is never appended to or scanned again
         seg = _Segment(seq, used=fmt.align(end, ALIGN))
-        refs: dict[int, int] = {}
-        for offset, table_ns, kind, block_hash in entries:
-            ref = refs.setdefault(id(table_ns), len(seg.table))
-            if ref == len(seg.table):
-                seg.table.append(table_ns)
-            seg.entries.append(fmt.SummaryEntry(kind, ref, offset, 0, 0, block_hash))
+        for ref, (table_ns, offsets, block_hashes) in enumerate(groups):
+            seg.table.append(table_ns)
+            for o, h in zip(offsets, block_hashes, strict=True):
+                seg.entries.append(fmt.SummaryEntry(fmt.BLOCK, ref, o, 0, 0, h))
         if seg.used + seg.summary_reserve() > device.segment_bytes:  # no room for a summary: scanned every start
             d.sealed.append(seq)
             return
@@ -726,34 +816,35 @@ class _Recovery:
             d.active = None
             d.sealed.append(seq)
 
-    def _summary(self, d: _Device, seq: int, header: fmt.SegmentHeader) -> list[tuple[int, fmt.Namespace, int, bytes]]:
+    def _summary(self, d: _Device, seq: int, header: fmt.SegmentHeader) -> list[_Group]:
         data = d.device.read(seq, header.summary_offset, header.summary_len)
         record = fmt.decode_record_header(data)
         if record.kind != fmt.SUMMARY:
             raise fmt.FormatError("checksum", "the header points at no summary")
         table, rows = fmt.decode_summary(fmt.verify_payload(record, data))
-        out = []
-        kinds, refs, offsets = rows["kind"].tolist(), rows["ns_ref"].tolist(), rows["offset"].tolist()
-        for i, kind in enumerate(kinds):
-            if kind == fmt.BLOCK:
-                out.append((offsets[i], table[refs[i]], kind, fmt.entry_hash(rows, i)))
-        return out
+        rows = rows[rows["kind"] == fmt.BLOCK]
+        groups = []
+        for ref in np.unique(rows["ns_ref"]).tolist():
+            mine = rows[rows["ns_ref"] == ref]
+            groups.append((table[ref], mine["offset"].tolist(), fmt.entry_hashes(mine)))
+        return groups
 
-    def _scan(self, d: _Device, seq: int) -> tuple[list[tuple[int, fmt.Namespace, int, bytes]], int]:
-        """Every valid record of an unsealed segment, up to its first bad one. Returns them and where they end."""
+    def _scan(self, d: _Device, seq: int) -> tuple[list[_Group], int]:
+        """Every valid block record of an unsealed segment, up to its first bad one, read in large windows.
+        Returns them by namespace, and where the valid records end."""
         device = d.device
         size = device.segment_bytes
+        window = _Window(device, seq)
         at = fmt.SEGMENT_HEADER_BYTES
         table: dict[tuple[int, str], fmt.Namespace] = {}
-        out: list[tuple[int, fmt.Namespace, int, bytes]] = []
+        groups: dict[tuple[int, str], _Group] = {}
         end = at
         while at < size:
-            head = device.read(seq, at, min(ALIGN, size - at))
+            head = window.view(at, min(ALIGN, size - at))
             if len(head) < 4 or bytes(head[:4]) != fmt.RECORD_MAGIC:
                 gap = fmt.align(at, ALIGN) - at  # a batch's padding runs to the next aligned offset
                 if not any(head[: gap or len(head)]):
-                    probe = device.read(seq, at + gap, 4) if gap and at + gap < size else b""
-                    if bytes(probe) == fmt.RECORD_MAGIC:
+                    if gap and at + gap < size and bytes(window.view(at + gap, 4)) == fmt.RECORD_MAGIC:
                         at += gap
                         continue
                     break  # zeros: the end of what was written
@@ -761,27 +852,26 @@ class _Recovery:
                 break
             try:
                 header = fmt.decode_record_header(head)
-                record = device.read(seq, at, header.record_len)
+                record = window.view(at, header.record_len)
                 if header.kind != fmt.SUMMARY:
                     fmt.verify_payload(header, record)
             except fmt.FormatError as e:
                 self._cut(device, seq, at, e)
                 break
+            name = (header.tenant, header.namespace_final)
             if header.kind == fmt.LAYOUT:
-                table[(header.tenant, header.namespace_final)] = fmt.Namespace(
-                    header.tenant,
-                    header.namespace_final,
-                    bytes(record[header.header_len : header.header_len + header.payload_len]),
-                )
+                descriptor = bytes(record[header.header_len : header.header_len + header.payload_len])
+                table[name] = fmt.Namespace(header.tenant, header.namespace_final, descriptor)
             elif header.kind == fmt.BLOCK:
-                ns = table.get((header.tenant, header.namespace_final))
-                if ns is None:
+                if name not in table:
                     self._cut(device, seq, at, fmt.FormatError("digest", "a block before its namespace's layout"))
                     break
-                out.append((at, ns, fmt.BLOCK, header.block_hash))
+                group = groups.setdefault(name, (table[name], [], []))
+                group[1].append(at)
+                group[2].append(header.block_hash)
             at += header.record_len
             end = at
-        return out, end
+        return list(groups.values()), end
 
     def _cut(self, device: Device, seq: int, at: int, error: fmt.FormatError) -> None:
         self.torn += 1

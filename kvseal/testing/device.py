@@ -7,6 +7,8 @@ import errno
 import os
 import threading
 
+import numpy as np
+
 from kvseal.ssd.device import ALIGN
 
 
@@ -39,6 +41,7 @@ class MemoryDevice:
 
     def write(self, seq: int, offset: int, data: memoryview) -> None:
         assert offset % ALIGN == 0 and len(data) % ALIGN == 0, "device writes are aligned"
+        assert np.frombuffer(data, np.uint8).ctypes.data % ALIGN == 0, "O_DIRECT needs page-aligned memory"
         if self.fail_writes:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         with self._lock:

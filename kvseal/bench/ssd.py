@@ -1,0 +1,194 @@
+"""`kvseal bench ssd`: the SSD tier's write and read throughput against `dd` with O_DIRECT on the same directory
+and bytes in the same run, and its recovery time per million records.
+
+Cases (each page size: 2 MiB and 128 KiB):
+  write   pages from an anonymous arena handed to DiskTier.write in batches of 64, timed until every batch
+          is acknowledged (the tier's writers build records in place and write 4 MiB batches)
+  read    the same blocks read back by a freshly opened tier (so nothing is cached by the tier), 256 per call,
+          every record verified (checksums, digest, namespace, hash) on the way
+  dd      `dd if=/dev/zero of=F bs=4M oflag=direct` then `dd if=F of=/dev/null bs=4M iflag=direct`, same bytes
+Recovery: a tier of tiny records (one 64-byte page each) closed cleanly, then opened: seconds per million records
+through the segment summaries; and the same after a crash (no close: the open segment is scanned).
+
+Last line:
+    RESULT ssd_write_gbps=... ssd_read_gbps=... dd_write_gbps=... dd_read_gbps=... write_ratio=... read_ratio=...
+           recovery_s_per_m=... scan_s_per_m=...
+(write/read figures: the 2 MiB pages; ratios: tier over dd. Targets: ratios >= 0.9, recovery <= 2 s per million.)
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvseal.core.layout import LayerGeometry, Layout, build_layout, namespace_final
+from kvseal.ssd.device import FileDevice
+from kvseal.ssd.tier import DiskTier, WriteItem
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    bytes_per_case: int
+    recovery_records: int
+
+
+FULL = Plan("full", 2 << 30, 1_000_000)
+QUICK = Plan("quick: smoke figures on small sizes, not the targets' measurement", 128 << 20, 50_000)
+
+
+def _layout(page_bytes: int) -> Layout:
+    return build_layout(16, 1, [LayerGeometry("model.layers.0.attn", "bfloat16", page_bytes, 1, 0, "bench")])
+
+
+def _tier(directory: Path, capacity: int, segment: int) -> DiskTier:
+    tier = DiskTier([FileDevice(directory, capacity, segment)])
+    return tier
+
+
+def _write_all(tier: DiskTier, layout: Layout, arena: np.ndarray, hashes: list[bytes], batch: int = 64) -> float:
+    key = (0, namespace_final("bench", layout))
+    size = layout.page_bytes
+    pending = threading.Semaphore(0)
+    submitted = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(hashes), batch):
+        chunk = hashes[i : i + batch]
+        items = [WriteItem(h, memoryview(arena[(i + k) * size : (i + k + 1) * size])) for k, h in enumerate(chunk)]
+        while not tier.write(key, layout, items, lambda ok: pending.release()):
+            time.sleep(0.0005)  # the queues are full: wait for the writers, as a steady workload would
+        submitted += 1
+    for _ in range(submitted):
+        pending.acquire()
+    return time.perf_counter() - t0
+
+
+def _read_all(tier: DiskTier, layout: Layout, hashes: list[bytes], batch: int = 256) -> tuple[float, int]:
+    key = (0, namespace_final("bench", layout))
+    size = layout.page_bytes
+    scratch = np.empty(batch * size, dtype=np.uint8)
+    views = [memoryview(scratch[k * size : (k + 1) * size]) for k in range(batch)]
+    bad = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(hashes), batch):
+        chunk = hashes[i : i + batch]
+        bad += sum(1 for r in tier.read(key, layout, chunk, views[: len(chunk)]) if r)
+    return time.perf_counter() - t0, bad
+
+
+def _dd(args: list[str]) -> float:
+    out = subprocess.run(["dd", *args], capture_output=True, text=True, check=True).stderr
+    m = re.search(r"copied, ([\d.]+) s", out)
+    if m is None:
+        raise RuntimeError(f"cannot read dd's output: {out!r}")
+    return float(m.group(1))
+
+
+def _throughput_case(plan: Plan, directory: Path, page_bytes: int) -> dict[str, float]:
+    layout = _layout(page_bytes)
+    n = plan.bytes_per_case // page_bytes
+    arena = np.random.default_rng(page_bytes).integers(0, 256, n * page_bytes, dtype=np.uint8)
+    hashes = [i.to_bytes(32, "big") for i in range(n)]
+    tier_dir = directory / f"tier-{page_bytes}"
+    capacity = 2 * plan.bytes_per_case + (512 << 20)
+    tier = _tier(tier_dir, capacity, 256 << 20)
+    tier.open()
+    write_s = _write_all(tier, layout, arena, hashes)
+    tier.close()
+    reader = _tier(tier_dir, capacity, 256 << 20)
+    reader.open()
+    read_s, bad = _read_all(reader, layout, hashes)
+    reader.close()
+    if bad:
+        raise RuntimeError(f"{bad} blocks failed verification")
+    shutil.rmtree(tier_dir)
+    data = n * page_bytes
+    dd_file = directory / "dd.bin"
+    count = data // (4 << 20)
+    dd_w = _dd(["if=/dev/zero", f"of={dd_file}", "bs=4M", f"count={count}", "oflag=direct"])
+    dd_r = _dd([f"if={dd_file}", "of=/dev/null", "bs=4M", "iflag=direct"])
+    dd_file.unlink()
+    dd_bytes = count * (4 << 20)
+    return {
+        "write_gbps": data / write_s / 1e9,
+        "read_gbps": data / read_s / 1e9,
+        "dd_write_gbps": dd_bytes / dd_w / 1e9,
+        "dd_read_gbps": dd_bytes / dd_r / 1e9,
+    }
+
+
+def _recovery_case(plan: Plan, directory: Path, crash: bool) -> float:
+    layout = _layout(64)
+    n = plan.recovery_records
+    arena = np.zeros(n * 64, dtype=np.uint8)
+    hashes = [i.to_bytes(32, "big") for i in range(n)]
+    tier_dir = directory / f"recovery-{crash}"
+    capacity = max(n * 256 * 2, 64 << 20)
+    tier = _tier(tier_dir, capacity, 16 << 20)
+    tier.open()
+    _write_all(tier, layout, arena, hashes, batch=4096)
+    if not crash:
+        tier.close()
+    else:
+        tier.flush()  # written, but the open segment never sealed: as after SIGKILL
+    reopened = _tier(tier_dir, capacity, 16 << 20)
+    report = reopened.open()
+    if report.records != n:
+        raise RuntimeError(f"recovered {report.records} of {n} records")
+    reopened.close()
+    shutil.rmtree(tier_dir)
+    return report.seconds / n * 1e6
+
+
+def main(quick: bool = False, directory: str | None = None) -> int:
+    plan = QUICK if quick else FULL
+    base = Path(directory) if directory else Path(tempfile.gettempdir())
+    print(f"kvseal SSD benchmark ({plan.name}), directory {base}")
+    with tempfile.TemporaryDirectory(prefix="kvseal-bench-ssd-", dir=base) as tmp:
+        work = Path(tmp)
+        direct = FileDevice(work / "probe", 1 << 20, 256 << 10).direct
+        print(f"  O_DIRECT {'supported' if direct else 'NOT supported: buffered I/O (figures include the page cache)'}")
+        try:
+            figures = {}
+            for page_bytes in (2 << 20, 128 << 10):
+                f = _throughput_case(plan, work, page_bytes)
+                figures[page_bytes] = f
+                print(
+                    f"  {page_bytes >> 10:>5} KiB pages: write {f['write_gbps']:.2f} GB/s "
+                    f"({f['write_gbps'] / f['dd_write_gbps']:.2f} x dd {f['dd_write_gbps']:.2f}), read "
+                    f"{f['read_gbps']:.2f} GB/s ({f['read_gbps'] / f['dd_read_gbps']:.2f} x dd "
+                    f"{f['dd_read_gbps']:.2f}) over {plan.bytes_per_case >> 20} MiB"
+                )
+            recovery = _recovery_case(plan, work, crash=False)
+            scan = _recovery_case(plan, work, crash=True)
+            print(
+                f"  recovery of {plan.recovery_records} records: {recovery:.2f} s per million through summaries, "
+                f"{scan:.2f} s per million scanning an unsealed segment"
+            )
+        except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+            print(f"benchmark failed: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+    main_fig = figures[2 << 20]
+    print(
+        "RESULT "
+        f"ssd_write_gbps={main_fig['write_gbps']:.2f} ssd_read_gbps={main_fig['read_gbps']:.2f} "
+        f"dd_write_gbps={main_fig['dd_write_gbps']:.2f} dd_read_gbps={main_fig['dd_read_gbps']:.2f} "
+        f"write_ratio={main_fig['write_gbps'] / main_fig['dd_write_gbps']:.3f} "
+        f"read_ratio={main_fig['read_gbps'] / main_fig['dd_read_gbps']:.3f} "
+        f"recovery_s_per_m={recovery:.2f} scan_s_per_m={scan:.2f}",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(quick="--quick" in sys.argv))
