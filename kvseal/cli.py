@@ -205,6 +205,28 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         action="store_true",
         help="do not fault the pool in at start (a faster start; first copies into fresh pages are slower)",
     )
+    serve.add_argument(
+        "--ssd-path",
+        action="append",
+        default=None,
+        help="directory of the SSD tier (repeat for several disks: blocks stripe across them); default: no SSD tier",
+    )
+    serve.add_argument(
+        "--ssd-capacity", type=_positive_size, default=None, help="bytes the SSD tier may use in each --ssd-path"
+    )
+    serve.add_argument(
+        "--ssd-segment-size",
+        type=_positive_size,
+        default="256MiB",
+        help="SSD segment file size; a full path reclaims its oldest segment whole",
+    )
+    serve.add_argument(
+        "--ssd-recovery",
+        choices=["scan", "strict", "none"],
+        default="scan",
+        help="at start: rebuild the SSD index, cutting torn tails and dropping bad records (scan); refuse to start "
+        "on any bad record (strict); or discard what is there (none)",
+    )
     serve.add_argument("--log-level", type=str.upper, choices=_LOG_LEVELS, default="INFO", help="logging level")
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -262,6 +284,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         lane_group=args.lane_group,
         lane_max_connections=args.lane_max_connections,
         lane_idle_timeout_s=args.lane_idle_timeout,
+        ssd_paths=tuple(args.ssd_path or ()),
+        ssd_capacity_bytes=args.ssd_capacity or 0,
+        ssd_segment_bytes=args.ssd_segment_size,
+        ssd_recovery=args.ssd_recovery,
     )
 
 
@@ -279,12 +305,14 @@ def _serve(args: argparse.Namespace) -> int:
     except StartError as e:
         print(f"kvseal serve: error: {e}", file=sys.stderr)
         return 1
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file size limit fails the SSD write (EFBIG), not the engine
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     signal.signal(signal.SIGINT, lambda *_: server.request_stop())
     pool = server.pool_bytes
     print(
         f"kvseal engine serving gRPC on {server.grpc_address}, HTTP on {server.http_address or 'nothing (off)'}, "
-        f"lane {server.lane_socket}, pool {pool} bytes ({format_size(pool)})",
+        f"lane {server.lane_socket}, pool {pool} bytes ({format_size(pool)})"
+        + (f", SSD {', '.join(cfg.ssd_paths)} ({format_size(cfg.ssd_capacity_bytes)} each)" if cfg.ssd_paths else ""),
         flush=True,
     )
     server.wait()

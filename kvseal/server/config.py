@@ -26,6 +26,10 @@ class ServeConfig:
     lane_group: str | None = None  # the lane socket becomes 0660 with this group: other local users may connect
     lane_max_connections: int = 4096
     lane_idle_timeout_s: float = 60.0
+    ssd_paths: tuple[str, ...] = ()  # directories of the SSD tier (off when empty); blocks stripe across them
+    ssd_capacity_bytes: int = 0  # per path
+    ssd_segment_bytes: int = 256 << 20
+    ssd_recovery: str = "scan"
 
 
 class ConfigError(ValueError):
@@ -77,6 +81,7 @@ def check_config(cfg: ServeConfig) -> None:
             "argument --lane-socket: the lane cannot be off, workers register, save and load over it: leave "
             "--lane-socket out (auto) or pass a path"
         )
+    _check_ssd(cfg)
     remote = [
         (flag, a)
         for flag, a in (("--listen", cfg.listen), ("--http-listen", cfg.http_listen))
@@ -94,4 +99,24 @@ def check_config(cfg: ServeConfig) -> None:
         raise ConfigError(
             f"argument --allow-remote: listening on {remote[0][1]!r} needs a shared token too: pass --token or set "
             "$KVSEAL_TOKEN"
+        )
+
+
+def _check_ssd(cfg: ServeConfig) -> None:
+    if not cfg.ssd_paths:
+        if cfg.ssd_capacity_bytes:
+            raise ConfigError("argument --ssd-capacity: no --ssd-path given: pass the SSD tier's directory too")
+        return
+    if len(set(map(os.path.realpath, cfg.ssd_paths))) != len(cfg.ssd_paths):
+        raise ConfigError("argument --ssd-path: a directory is given twice: pass each disk's directory once")
+    if cfg.ssd_segment_bytes % 4096 or cfg.ssd_segment_bytes < cfg.slab_bytes + (1 << 20):
+        raise ConfigError(
+            f"argument --ssd-segment-size: must be a multiple of 4 KiB and at least --slab-size + 1 MiB "
+            f"({format_size(cfg.slab_bytes + (1 << 20))}), so that the largest page fits in a segment"
+        )
+    if cfg.ssd_capacity_bytes < 2 * cfg.ssd_segment_bytes:
+        raise ConfigError(
+            f"argument --ssd-capacity: {format_size(cfg.ssd_capacity_bytes) if cfg.ssd_capacity_bytes else 'missing'}"
+            f"; each --ssd-path needs at least two segments ({format_size(2 * cfg.ssd_segment_bytes)}): pass e.g. "
+            "--ssd-capacity 100GiB (per path)"
         )

@@ -23,6 +23,8 @@ from kvseal.server.http import HttpServer
 from kvseal.server.lane import LaneServer
 from kvseal.server.metrics import Metrics
 from kvseal.server.service import EngineService
+from kvseal.ssd.device import FileDevice
+from kvseal.ssd.tier import DiskTier
 
 __all__ = ["EngineServer", "ServeConfig", "StartError"]
 
@@ -92,7 +94,7 @@ class EngineServer:
         self.lane_socket = lane_socket_path(cfg, self.port)
         check_unix(self.lane_socket, self.lane_socket, "--lane-socket")  # its name may come from the port just bound
 
-        self.engine = _allocate_engine(cfg)
+        self.engine = _allocate_engine(cfg, _open_ssd(cfg))
         self.metrics = Metrics(self.engine)
         self.service = EngineService(self.engine, self.metrics, token=cfg.token is not None, unix=bool(grpc_path))
         self.service.port = self.port
@@ -176,6 +178,9 @@ class EngineServer:
             self._lane.stop()
         if self._http:
             self._http.stop()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()  # after the lane: no save comes any more; the SSD writers drain and seal
 
 
 def _unlink_if_same(path: str, inode: int) -> None:
@@ -187,7 +192,44 @@ def _unlink_if_same(path: str, inode: int) -> None:
         pass
 
 
-def _allocate_engine(cfg: ServeConfig) -> Engine:
+def _open_ssd(cfg: ServeConfig) -> DiskTier | None:
+    """The SSD tier on cfg.ssd_paths, its index recovered (None when off)."""
+    if not cfg.ssd_paths:
+        return None
+    devices = []
+    for path in cfg.ssd_paths:
+        try:
+            device = FileDevice(path, cfg.ssd_capacity_bytes, cfg.ssd_segment_bytes)
+        except OSError as e:
+            raise StartError(
+                f"cannot use --ssd-path {path!r}: {e.strerror or e}: pass a directory this user owns"
+            ) from None
+        if not device.direct:
+            log.warning("ssd %s: O_DIRECT is not supported there: buffered I/O (the page cache holds a copy)", path)
+        devices.append(device)
+    tier = DiskTier(devices)
+    try:
+        report = tier.open(cfg.ssd_recovery)
+    except RuntimeError as e:  # --ssd-recovery strict found something bad
+        raise StartError(f"{e}: repair or move the directory, or start with --ssd-recovery scan") from None
+    except OSError as e:
+        raise StartError(f"cannot recover the SSD tier: {e.strerror or e}") from None
+    log.info(
+        "ssd: %d records in %d segments recovered in %.2f s (%d scanned, torn tails cut %d, bad %s, re-keyed %s, "
+        "dropped namespaces %s)",
+        report.records,
+        report.segments,
+        report.seconds,
+        report.scanned_segments,
+        report.torn_cut,
+        report.bad or "none",
+        report.rekeyed or "none",
+        report.dropped_namespaces or "none",
+    )
+    return tier
+
+
+def _allocate_engine(cfg: ServeConfig, ssd: DiskTier | None = None) -> Engine:
     try:
         return Engine(
             cfg.pool_bytes,
@@ -195,8 +237,11 @@ def _allocate_engine(cfg: ServeConfig) -> Engine:
             prefault=cfg.prefault,
             lease_ttl_s=cfg.lease_ttl_s,
             inflight_timeout_s=cfg.inflight_timeout_s,
+            ssd=ssd,
         )
     except OSError as e:  # mmap: ENOMEM past the overcommit or the address-space limit
+        if ssd is not None:
+            ssd.close()
         limit = resource.getrlimit(resource.RLIMIT_AS)[0]
         limit_note = (
             "" if limit == resource.RLIM_INFINITY else f"; the address-space limit (ulimit -v) is {format_size(limit)}"
