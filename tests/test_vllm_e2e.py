@@ -165,6 +165,32 @@ def test_inference_survives_engine_restart_and_reconnects(
     assert "is back" in stderr
 
 
+def test_a_new_vllm_process_gets_its_hits_from_ssd_after_an_engine_restart(
+    engine_factory: Any, models: dict[str, Path], tmp_path: Path
+) -> None:
+    """The engine is stopped (SIGTERM) and started again on its SSD directory: its memory is empty, so the new vLLM
+    process's hits come from disk (the connector asks again while the engine answers `loading`), and its outputs
+    equal a run without the connector."""
+    ssd = ("--ssd-path", str(tmp_path / "ssd"), "--ssd-capacity", "1GiB")
+    engine = engine_factory(*ssd)
+    model = str(models["llama4"])
+    a, c = prompts(seed=6, n=2, length=300)
+    baseline = run_vllm({"model": model, "prompts": [a, c], "engine": None})["outputs"]
+    assert run_vllm({"model": model, "prompts": [a, c], "engine": engine.target})["outputs"] == baseline
+    wait_until(lambda: engine.metric("kvseal_ssd_records") == 4, 30, "the four full blocks to reach the SSD")
+    assert engine.stop() == []
+    engine.expect_exit = True  # stopped here, not at teardown
+
+    restarted = engine_factory(*ssd)
+    assert restarted.metric("kvseal_ssd_records") == 4 and restarted.metric("kvseal_resident_blocks") == 0
+    warm = run_vllm({"model": model, "prompts": [a, c], "engine": restarted.target})
+    assert warm["outputs"] == baseline
+    assert warm["external_hits"] == 4 * BLOCK
+    assert restarted.metric("kvseal_ssd_reads_total") > 0
+    [ns] = restarted.get_json("/v1/namespaces")
+    assert (ns["resident_blocks"], ns["ssd_blocks"], ns["refused"]) == (4, 4, {})
+
+
 def test_load_only_worker_registers_again_after_engine_restart(
     engine_factory: Any, models: dict[str, Path], tmp_path: Path
 ) -> None:
