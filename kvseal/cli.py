@@ -1,4 +1,5 @@
-"""The `kvseal` command: `kvseal serve` runs the engine; `kvseal bench engine` runs the engine benchmark."""
+"""The `kvseal` command: `kvseal serve` runs the engine; `kvseal namespaces` shows (or purges) what it holds;
+`kvseal ssd inspect` reads an SSD tier directory offline; `kvseal bench engine|ssd` runs a benchmark."""
 
 from __future__ import annotations
 
@@ -230,8 +231,27 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     serve.add_argument("--log-level", type=str.upper, choices=_LOG_LEVELS, default="INFO", help="logging level")
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("what", choices=["engine"])
+    bench.add_argument("what", choices=["engine", "ssd"])
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    bench.add_argument("--dir", default=None, help="ssd: the directory to measure (default: $TMPDIR)")
+
+    names = sub.add_parser(
+        "namespaces",
+        help="what a running engine holds per final namespace and user; purge one",
+        formatter_class=_HelpFormatter,
+    )
+    names.add_argument("action", nargs="?", choices=["list", "purge"], default="list", help="list, or purge one")
+    names.add_argument("namespace", nargs="?", help="purge: the final namespace (namespace.fingerprint)")
+    names.add_argument("--uid", type=int, default=None, help="purge: only this user's namespace of that name")
+    names.add_argument("--http", type=_http_address, default="127.0.0.1:9091", help="the engine's HTTP address")
+    names.add_argument("--token", default=None, help="the engine's token; default: $KVSEAL_TOKEN")
+    names.add_argument("--json", action="store_true", help="JSON instead of a table")
+
+    ssd = sub.add_parser("ssd", help="offline tools for SSD tier directories")
+    ssd.add_argument("what", choices=["inspect"])
+    ssd.add_argument("directory", nargs="+", help="the tier's --ssd-path directories (a stopped engine's)")
+    ssd.add_argument("--verify", action="store_true", help="read every record in full and check it")
+    ssd.add_argument("--json", action="store_true", help="JSON instead of a table")
     return parser, serve
 
 
@@ -244,6 +264,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parses and checks the command line; a bad value exits with status 2 and one line naming the flag."""
     parser, serve = _parsers()
     args = parser.parse_args(argv)
+    if args.command == "namespaces" and (args.action == "purge") != bool(args.namespace):
+        parser.error("kvseal namespaces purge NAMESPACE_FINAL: name one final namespace (and only with purge)")
     if args.command != "serve":
         return args
     if args.token is None:
@@ -263,6 +285,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "namespaces":
+        from kvseal import inventory
+
+        token = args.token or os.environ.get("KVSEAL_TOKEN") or None
+        if args.action == "purge":
+            return inventory.purge(args.http, token, args.namespace, args.uid, args.json)
+        return inventory.namespaces(args.http, token, args.json)
+    if args.command == "ssd":
+        from kvseal import inventory
+
+        return inventory.inspect_ssd(args.directory, args.verify, args.json)
+    if args.what == "ssd":
+        from kvseal.bench import ssd as bench_ssd
+
+        return bench_ssd.main(quick=args.quick, directory=args.dir)
     from kvseal.bench import engine as bench_engine
 
     return bench_engine.main(quick=args.quick)

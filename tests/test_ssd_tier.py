@@ -341,3 +341,38 @@ def test_close_and_reopen_in_a_loop_never_shows_a_phantom_nor_loses_an_acknowled
             assert results[: len(acknowledged[lay.digest])] == [""] * len(acknowledged[lay.digest])
             assert results[len(acknowledged[lay.digest]) :] == ["missing", "missing"]
     t.close()
+
+
+def test_a_purged_namespace_stays_gone_after_a_restart_and_new_blocks_come_back() -> None:
+    dev = MemoryDevice(4 << 20, SEGMENT)
+    t = Tier([dev])
+    old, other = hashes("old", 6), hashes("other", 3)
+    assert t.write(BASE, old) and t.write(MTP, other)
+    assert t.tier.purge(key(BASE)) == 6
+    assert t.prefix(BASE, old) == 0
+    new = hashes("new", 4)
+    assert t.write(BASE, new)  # written after the purge: kept
+    t.close()
+    t = Tier([dev])
+    assert t.prefix(BASE, old) == 0 and t.read(BASE, new) == [""] * 4 and t.read(MTP, other) == [""] * 3
+    t.close()
+
+
+def test_inspection_changes_nothing_and_finds_bad_records() -> None:
+    dev = MemoryDevice(4 << 20, SEGMENT)
+    t = Tier([dev])
+    hs = hashes("i", 8)
+    assert t.write(BASE, hs)  # no close: the segment stays unsealed
+    data = dev.files[dev.segments()[0]]
+    data[data.find(hs[7]) + 300] ^= 1  # the last block's payload
+    before = {seq: bytes(b) for seq, b in dev.files.items()}
+    report, found = DiskTier([dev]).inspect(verify=True)
+    assert {seq: bytes(b) for seq, b in dev.files.items()} == before and dev.lines == []
+    assert report.scanned_segments == 1 and report.torn_cut == 1 and report.records == 7
+    assert found == {key(BASE): {"records": 7, "page_bytes": BASE.page_bytes}}
+    t.close()  # sealed now by the writer, whose summary lists all 8; corrupt one more: only a full read finds them
+    data = dev.files[dev.segments()[0]]
+    data[data.find(hs[2]) + 300] ^= 1
+    report, found = DiskTier([dev]).inspect(verify=True)
+    assert report.scanned_segments == 0
+    assert found == {key(BASE): {"records": 8, "page_bytes": BASE.page_bytes, "checksum": 2}}

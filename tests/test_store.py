@@ -796,3 +796,18 @@ TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(
     max_examples=300, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+def test_purge_frees_what_nothing_pins_and_leaves_leased_pages(clock: FakeClock) -> None:
+    store = make_store(1 << 16, 1 << 14, clock)
+    ns = store.namespace("m.x", TP1)
+    other = store.namespace("m.y", TP1)
+    save(store, ns, TP1, [h(1), h(2), h(3)])
+    save(store, other, TP1, [h(1)])
+    lease = store.query(ns, TP1, [h(1)], owner="o", shares=1)
+    assert store.purge(ns) == (2, 1)  # h(1) is leased
+    check(store)
+    assert store.query(ns, TP1, [h(2)], owner="o", shares=1).hits == 0
+    assert store.query(other, TP1, [h(1)], owner="o", shares=1).hits == 1  # another namespace keeps its blocks
+    store.release(lease.lease_id, "o")
+    check(store)

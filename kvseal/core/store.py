@@ -223,6 +223,9 @@ class BlockStore:
             self._namespace_ids[key] = ns_id
         return ns_id
 
+    def namespace_id(self, tenant: int, namespace_final: str) -> int | None:
+        return self._namespace_ids.get((tenant, namespace_final))
+
     def namespace_stats(self) -> list[tuple[NamespaceStats, Layout]]:
         return [(ns, self._layouts[ns.layout_id]) for ns in self._namespaces]
 
@@ -423,6 +426,25 @@ class BlockStore:
 
     def lease(self, lease_id: int) -> Lease | None:
         return self._leases.get(lease_id)
+
+    def purge(self, ns_id: int) -> tuple[int, int]:
+        """Frees the namespace's sealed pages that nothing pins. Returns (freed, left): pages pinned by a lease or a
+        copy, or still inflight, stay until they are released (and are then evicted like any page)."""
+        ns = self._namespaces[ns_id]
+        state, pins, prev, nxt = self._state, self._pins, self._prev, self._next
+        freed = [pid for pid in ns.index.values() if state[pid] == SEALED and pins[pid] == 0]
+        for pid in freed:
+            p, q = prev[pid], nxt[pid]
+            nxt[p] = q
+            prev[q] = p
+            del ns.index[self._hash[pid]]  # type: ignore[arg-type]
+            self._sealed_bytes -= self._page_bytes(pid)
+            self._free(pid)
+        n = len(freed)
+        self._resident_blocks -= n
+        ns.resident_blocks -= n
+        ns.resident_bytes -= n * self._layouts[ns.layout_id].page_bytes
+        return n, len(ns.index)
 
     # ---------------------------------------------------------------- pages for other tiers
 

@@ -591,6 +591,33 @@ class Engine:
                 )
             return out
 
+    def purge(self, namespace_final: str, uid: int | None = None) -> list[dict[str, Any]]:
+        """Drops a final namespace (every user's, or the one of `uid`) from memory and SSD. Pages a lease or a copy
+        pins stay until released. One entry per (user, namespace) purged; empty when there is none."""
+        with self._lock:
+            keys = {
+                (ns.tenant, ns.namespace_final)
+                for ns, _ in self.store.namespace_stats()
+                if ns.namespace_final == namespace_final and uid in (None, ns.tenant)
+            }
+            if self.ssd is not None:
+                keys |= {k for k in self.ssd.namespaces() if k[1] == namespace_final and uid in (None, k[0])}
+            out = []
+            for key in sorted(keys):
+                ns_id = self.store.namespace_id(*key)
+                freed, left = self.store.purge(ns_id) if ns_id is not None else (0, 0)
+                ssd_blocks = self.ssd.purge(key) if self.ssd is not None else 0
+                out.append(
+                    {
+                        "namespace": key[1],
+                        "uid": key[0],
+                        "memory_blocks": freed,
+                        "memory_blocks_in_use": left,
+                        "ssd_blocks": ssd_blocks,
+                    }
+                )
+            return out
+
     def statistics(self) -> EngineStatistics:
         with self._lock:
             return EngineStatistics(

@@ -1,4 +1,5 @@
-"""HTTP side of the engine: /health, /metrics (Prometheus), /v1/instances, /v1/namespaces (JSON).
+"""HTTP side of the engine: /health, /metrics (Prometheus), /v1/instances, /v1/namespaces (JSON), and
+DELETE /v1/namespaces/<namespace_final>[?uid=N], which purges a final namespace from memory and SSD.
 
 Who may ask: /health, anyone. Every other path: with a token, whoever sends it; without one, only a client whose
 socket belongs to the engine's uid or root (kvseal.server.peers), since they show every tenant's namespaces.
@@ -12,6 +13,7 @@ import json
 import os
 import socket
 import threading
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -54,11 +56,45 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         path = self.path.split("?", 1)[0]
+        if not self._allowed(path):
+            return
+        if path == "/health":
+            self._send(200, "application/json", b'{"status":"ok"}')
+        elif path == "/metrics":
+            self._send(200, CONTENT_TYPE_LATEST, generate_latest(self.metrics.registry))
+        elif path == "/v1/namespaces":
+            self._json(self.engine.namespaces())
+        elif path == "/v1/instances":
+            self._json([dataclasses.asdict(s) for s in self.engine.instances()])
+        else:
+            self._error(404, f"no such path {path!r}")
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        url = urllib.parse.urlsplit(self.path)
+        if not self._allowed(url.path):
+            return
+        prefix = "/v1/namespaces/"
+        if not url.path.startswith(prefix) or len(url.path) == len(prefix):
+            self._error(404, f"no such path {url.path!r}: DELETE /v1/namespaces/<namespace_final>[?uid=N]")
+            return
+        namespace = urllib.parse.unquote(url.path[len(prefix) :])
+        uid_arg = urllib.parse.parse_qs(url.query).get("uid", [None])[0]
+        if uid_arg is not None and not uid_arg.isdigit():
+            self._error(400, f"uid must be a number, got {uid_arg!r}")
+            return
+        purged = self.engine.purge(namespace, None if uid_arg is None else int(uid_arg))
+        if not purged:
+            self._error(404, f"no namespace {namespace!r} in memory or on SSD")
+            return
+        self._json(purged)
+
+    def _allowed(self, path: str) -> bool:
+        """Answers 401/403 and returns False when this client may not have `path`."""
         if path != "/health" and self.token is not None:
             given = self.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
                 self._send(401, "application/json", b'{"error":"missing or wrong bearer token"}')
-                return
+                return False
         if path != "/health" and self.token is None:
             uid = self._peer_uid()
             if not local_uid_allowed(uid):
@@ -69,17 +105,11 @@ class _Handler(BaseHTTPRequestHandler):
                     "'Authorization: Bearer <token>'"
                 )
                 self._send(403, "application/json", json.dumps({"error": message}).encode())
-                return
-        if path == "/health":
-            self._send(200, "application/json", b'{"status":"ok"}')
-        elif path == "/metrics":
-            self._send(200, CONTENT_TYPE_LATEST, generate_latest(self.metrics.registry))
-        elif path == "/v1/namespaces":
-            self._json(self.engine.namespaces())
-        elif path == "/v1/instances":
-            self._json([dataclasses.asdict(s) for s in self.engine.instances()])
-        else:
-            self._send(404, "application/json", json.dumps({"error": f"no such path {path!r}"}).encode())
+                return False
+        return True
+
+    def _error(self, code: int, message: str) -> None:
+        self._send(code, "application/json", json.dumps({"error": message}).encode())
 
     def _peer_uid(self) -> int | None:
         """The uid owning the client's socket of this connection (looked up once: one handler per connection)."""

@@ -4,8 +4,8 @@ An implementation must: create a segment of `segment_bytes` (raising OSError, e.
 had), write and read at byte offsets inside it, list the segments present, and remove one. Writes are given
 aligned offsets and lengths (multiples of ALIGN); reads may be unaligned (the device widens them). A read past what
 was ever written returns zeros or fewer bytes, never an error. The caller guarantees that no read or write of a
-segment is in flight when it removes it. A device also keeps the list of quarantined records (segment, offset)
-across restarts. kvseal.testing.MemoryDevice is the in-memory one.
+segment is in flight when it removes it. A device also keeps the tier's notes (quarantined records, purged
+namespaces: one line each) across restarts. kvseal.testing.MemoryDevice is the in-memory one.
 
 FileDevice keeps one file per segment in a directory, opened with O_DIRECT where the filesystem supports it (the
 page cache would otherwise hold a second copy of what the pool already holds) and buffered where it does not
@@ -44,9 +44,9 @@ class Device(Protocol):
 
     def sync(self, seq: int) -> None: ...
 
-    def quarantine(self, seq: int, offset: int, reason: str) -> None: ...
+    def note(self, line: str) -> None: ...
 
-    def quarantined(self) -> set[tuple[int, int]]: ...
+    def notes(self) -> list[str]: ...
 
     def close(self) -> None: ...
 
@@ -162,21 +162,17 @@ class FileDevice:
     def sync(self, seq: int) -> None:
         os.fdatasync(self._fd(seq))
 
-    def quarantine(self, seq: int, offset: int, reason: str) -> None:
-        with open(self.dir / "quarantine.log", "a") as f:
-            f.write(f"{seq} {offset} {reason}\n")
+    def note(self, line: str) -> None:
+        with open(self.dir / "notes.log", "a") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
-    def quarantined(self) -> set[tuple[int, int]]:
+    def notes(self) -> list[str]:
         try:
-            lines = (self.dir / "quarantine.log").read_text().splitlines()
+            return (self.dir / "notes.log").read_text().splitlines()
         except FileNotFoundError:
-            return set()
-        out = set()
-        for line in lines:
-            parts = line.split()
-            if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
-                out.add((int(parts[0]), int(parts[1])))
-        return out
+            return []
 
     def close(self) -> None:
         with self._lock:

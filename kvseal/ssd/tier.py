@@ -246,7 +246,8 @@ class DiskTier:
             }
 
     def purge(self, key: NamespaceKey) -> int:
-        """Drops a namespace's blocks from the index (their records are reclaimed with their segments)."""
+        """Drops a namespace's blocks: from the index now, and from every later start (a note on each device marks
+        where its records end); the records go with their segments. Returns the blocks dropped."""
         with self._lock:
             ns = self._namespaces.get(key)
             if ns is None:
@@ -255,7 +256,14 @@ class DiskTier:
             self._records -= n
             self._bytes -= n * ns.page_bytes
             ns.blocks.clear()
-            return n
+            marks = [(d, d.active.seq, d.active.used) if d.active else (d, d.next_seq, 0) for d in self._devices]
+        for d, seq, offset in marks:
+            for name in sorted(ns.names):
+                try:
+                    d.device.note(f"purge {seq} {offset} {ns.tenant} {name}")
+                except OSError as e:
+                    log.error("ssd %s: purge of %s not noted (a restart brings it back): %s", d.device.name, name, e)
+        return n
 
     # ------------------------------------------------------------------ write
 
@@ -598,7 +606,7 @@ class DiskTier:
         device = self._devices[dev].device
         log.warning("ssd %s: record at segment %d offset %d quarantined: %s", device.name, seq, offset, error)
         try:
-            device.quarantine(seq, offset, error.reason)
+            device.note(f"quarantine {seq} {offset} {error.reason}")
         except OSError as e:
             log.error(
                 "ssd %s: could not note the quarantine (a restart will check the record again): %s", device.name, e
@@ -692,6 +700,24 @@ def _runs(
     return runs
 
 
+def _read_notes(device: Device) -> tuple[set[tuple[int, int]], dict[tuple[int, str], tuple[int, int]]]:
+    """The device's quarantined records (seq, offset) and purge marks ((tenant, stored name) -> (seq, offset): the
+    namespace's records before it are gone)."""
+    quarantined: set[tuple[int, int]] = set()
+    purged: dict[tuple[int, str], tuple[int, int]] = {}
+    for line in device.notes():
+        parts = line.split(" ")
+        try:
+            if parts[0] == "quarantine" and len(parts) == 4:
+                quarantined.add((int(parts[1]), int(parts[2])))
+            elif parts[0] == "purge" and len(parts) == 5:
+                name = (int(parts[3]), parts[4])
+                purged[name] = max(purged.get(name, (0, 0)), (int(parts[1]), int(parts[2])))
+        except ValueError:
+            log.warning("ssd %s: a note that does not parse is ignored: %r", device.name, line)
+    return quarantined, purged
+
+
 class _Window:
     """Reads of one segment through a large window, so a scan costs one device read per window, not per record."""
 
@@ -733,11 +759,13 @@ class _Recovery:
         self.records = self.segments = self.scanned = self.torn = 0
         self.rekeyed: dict[str, str] = {}
         self.dropped: set[str] = set()
+        self.purged: dict[tuple[int, str], tuple[int, int]] = {}
 
     def run(self) -> RecoveryReport:
         t0 = time.perf_counter()
         for d in self.tier._devices:
-            quarantined = d.device.quarantined()
+            quarantined, purged = _read_notes(d.device)
+            self.purged = purged
             for seq in d.device.segments():
                 if self.mode == "none":
                     d.device.remove(seq)
@@ -786,6 +814,10 @@ class _Recovery:
             ns = self._namespace(table_ns)
             if ns is None:
                 continue
+            mark = self.purged.get((table_ns.tenant, table_ns.namespace_final))
+            if mark is not None and mark > (seq, 0):  # purged after some of these records were written
+                kept = [(o, h) for o, h in zip(offsets, block_hashes, strict=True) if (seq, o) >= mark]
+                offsets, block_hashes = [o for o, _ in kept], [h for _, h in kept]
             if quarantined:
                 kept = [(o, h) for o, h in zip(offsets, block_hashes, strict=True) if o not in quarantined]
                 offsets, block_hashes = [o for o, _ in kept], [h for _, h in kept]

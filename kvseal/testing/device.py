@@ -24,7 +24,7 @@ class MemoryDevice:
         self.fail_writes = False
         self.fail_reads = False
         self.writes = 0
-        self.notes: set[tuple[int, int]] = set()
+        self.lines: list[str] = []  # the tier's notes
         self._lock = threading.Lock()
 
     def segments(self) -> list[int]:
@@ -62,11 +62,11 @@ class MemoryDevice:
     def sync(self, seq: int) -> None:
         pass
 
-    def quarantine(self, seq: int, offset: int, reason: str) -> None:
-        self.notes.add((seq, offset))
+    def note(self, line: str) -> None:
+        self.lines.append(line)
 
-    def quarantined(self) -> set[tuple[int, int]]:
-        return set(self.notes)
+    def notes(self) -> list[str]:
+        return list(self.lines)
 
     def close(self) -> None:
         pass
