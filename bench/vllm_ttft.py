@@ -8,6 +8,10 @@ What runs (each vLLM run is a fresh process: bench/vllm_ttft_run.py, offline LLM
     kvseal warm    a new vLLM process on the same engine: the prompts' blocks load from kvseal
     example cold   ExampleConnector (safetensors files per layer) on an empty directory: saves
     example warm   a new vLLM process on the same directory: loads
+    kvseal ssd warm  with --ssd DIR only: the engine runs with an SSD tier there; after `kvseal warm` it is
+                   stopped and started again (its memory empty), and a new vLLM process loads every prompt's
+                   blocks from SSD (the connector asks again while the engine answers `loading`). Against `base`,
+                   this answers: is an SSD hit faster than recomputing the prefix?
 
 Model: a Llama built here with random weights (bench/vllm_ttft_model.py: hidden 1024, 8 layers, 16 heads of 64,
 4 KV heads, MLP 2816, vocabulary 32000; 90 M parameters in the layers, 156 M with the embedding and LM head),
@@ -28,8 +32,9 @@ the prompts. Checks: every run's outputs equal the base run's; warm runs must re
 (vLLM's vllm:external_prefix_cache_hits) for every prompt, cold runs none.
 
 Last line: RESULT base_ttft_ms=… cold_ttft_ms=… warm_ttft_ms=… example_warm_ttft_ms=… warm_vs_example=…
-cold_vs_base=… (warm_vs_example = kvseal warm / example warm, cold_vs_base = kvseal cold / base;
-targets ≤ 0.8 and ≤ 1.05).
+cold_vs_base=… [ssd_warm_ttft_ms=… ssd_vs_base=…] (warm_vs_example = kvseal warm / example warm, cold_vs_base =
+kvseal cold / base; targets ≤ 0.8 and ≤ 1.05; ssd_vs_base = kvseal ssd warm / base: below 1, an SSD hit beats a
+prefill).
 """
 
 from __future__ import annotations
@@ -80,12 +85,14 @@ def pinned(cpus: str | None, argv: list[str]) -> list[str]:
 class Engine:
     """`kvseal serve` as a subprocess, pinned to `cpus`; log in workdir/engine.log."""
 
-    def __init__(self, workdir: Path, pool: str, cpus: str | None) -> None:
+    def __init__(
+        self, workdir: Path, pool: str, cpus: str | None, extra: tuple[str, ...] = (), log: str = "engine.log"
+    ) -> None:
         self.target = f"127.0.0.1:{free_port()}"
         self.http_port = free_port()
-        self.log_path = workdir / "engine.log"
+        self.log_path = workdir / log
         self._log = open(self.log_path, "wb")
-        argv = [sys.executable, "-m", "kvseal", "serve", "--listen", self.target]
+        argv = [sys.executable, "-m", "kvseal", "serve", "--listen", self.target, *extra]
         argv += ["--http-listen", f"127.0.0.1:{self.http_port}", "--pool-size", pool, "--log-level", "WARNING"]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(pinned(cpus, argv), stdout=self._log, stderr=subprocess.STDOUT, env=env)
@@ -196,6 +203,7 @@ def main() -> int:
     p.add_argument("--engine-cpus", default=None, help="CPUs for kvseal serve (default: all but --vllm-cpu)")
     p.add_argument("--workdir", type=Path, default=None, help="logs and ExampleConnector files (default: temp)")
     p.add_argument("--report", type=Path, default=None, help="print the report of DIR/results.json again, run nothing")
+    p.add_argument("--ssd", type=Path, default=None, help="also measure hits from an SSD tier in this directory")
     a = p.parse_args()
     if a.report:
         return report(json.loads((a.report / "results.json").read_text()))
@@ -239,12 +247,22 @@ def main() -> int:
     connectable = (a.prompt_len - 1) // 128 * 128  # full blocks a connector may serve (never the last token)
 
     watch = CpuWatch()
-    engine = Engine(workdir, a.pool_size, engine_cpus)
+    ssd_args: tuple[str, ...] = ()
+    runs = list(RUNS)
+    if a.ssd:
+        shutil.rmtree(a.ssd, ignore_errors=True)
+        ssd_args = ("--ssd-path", str(a.ssd), "--ssd-capacity", "8GiB")
+        runs.insert(3, ("kvseal ssd warm", "kvseal"))
+    engine = Engine(workdir, a.pool_size, engine_cpus, ssd_args)
     results: dict[str, dict[str, Any]] = {}
     try:
         ready = engine.wait_ready()
         print(f"kvseal serve: {engine.target}, pool {a.pool_size}, ready in {ready:.1f} s", flush=True)
-        for name, connector in RUNS:
+        for name, connector in runs:
+            if name == "kvseal ssd warm":  # a restart: memory empty, the blocks on SSD
+                engine.stop()
+                engine = Engine(workdir, a.pool_size, engine_cpus, ssd_args, "engine-restarted.log")
+                print(f"kvseal serve restarted on its SSD tier, ready in {engine.wait_ready():.1f} s", flush=True)
             args = {
                 "model": str(a.model_dir),
                 "prompts": prompts,
@@ -377,9 +395,18 @@ def report(saved: dict[str, Any]) -> int:
         f"targets: warm_vs_example {warm_vs_example:.3f} (<= 0.8: {'met' if warm_vs_example <= 0.8 else 'MISSED'}), "
         f"cold_vs_base {cold_vs_base:.3f} (<= 1.05: {'met' if cold_vs_base <= 1.05 else 'MISSED'})"
     )
+    ssd = ""
+    if "kvseal ssd warm" in results:
+        ssd_warm = median_ms([q["ttft_s"] for q in results["kvseal ssd warm"]["requests"]])
+        print(
+            f"SSD hit vs recompute: kvseal ssd warm {ssd_warm:.1f} ms vs base (prefill of the prompt) {base:.1f} ms: "
+            f"{ssd_warm / base:.3f}; vs the memory hit (kvseal warm) {ssd_warm - warm:+.1f} ms"
+        )
+        ssd = f" ssd_warm_ttft_ms={ssd_warm:.1f} ssd_vs_base={ssd_warm / base:.3f}"
     print(
         f"RESULT base_ttft_ms={base:.1f} cold_ttft_ms={cold:.1f} warm_ttft_ms={warm:.1f} "
         f"example_warm_ttft_ms={ex_warm:.1f} warm_vs_example={warm_vs_example:.3f} cold_vs_base={cold_vs_base:.3f}"
+        + ssd
     )
     return 1 if problems else 0
 

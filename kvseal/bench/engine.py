@@ -128,7 +128,9 @@ def stop_process(proc: subprocess.Popen[Any]) -> None:
 class EngineProcess:
     """`python -m kvseal serve` as a subprocess; its log goes to a file that is shown if it fails to start."""
 
-    def __init__(self, workdir: Path, name: str, listen: str, http_port: int, pool_bytes: int) -> None:
+    def __init__(
+        self, workdir: Path, name: str, listen: str, http_port: int, pool_bytes: int, extra: Sequence[str] = ()
+    ) -> None:
         self.target = listen
         self.http_port = http_port
         self.pool_bytes = pool_bytes
@@ -148,6 +150,7 @@ class EngineProcess:
             str(pool_bytes),
             "--log-level",
             "WARNING",
+            *extra,
         ]
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.pid = self.proc.pid

@@ -207,7 +207,8 @@ def _open_ssd(cfg: ServeConfig) -> DiskTier | None:
         if not device.direct:
             log.warning("ssd %s: O_DIRECT is not supported there: buffered I/O (the page cache holds a copy)", path)
         devices.append(device)
-    tier = DiskTier(devices)
+    # queued blocks stay pinned in the pool until written: a quarter of it at most, so Saves always find room
+    tier = DiskTier(devices, max_pending_bytes=min(512 << 20, cfg.pool_bytes // 4))
     try:
         report = tier.open(cfg.ssd_recovery)
     except RuntimeError as e:  # --ssd-recovery strict found something bad
