@@ -376,3 +376,14 @@ def test_inspection_changes_nothing_and_finds_bad_records() -> None:
     report, found = DiskTier([dev]).inspect(verify=True)
     assert report.scanned_segments == 0
     assert found == {key(BASE): {"records": 8, "page_bytes": BASE.page_bytes, "checksum": 2}}
+
+
+def test_a_layout_colliding_with_a_namespace_on_disk_is_never_written_under_it() -> None:
+    t = Tier([MemoryDevice(4 << 20, SEGMENT)])
+    hs = hashes("col", 3)
+    assert t.write(BASE, hs)
+    pages = [memoryview(page(BF16, h)) for h in hs]
+    done: list[bool] = []
+    assert not t.tier.write(key(BASE), BF16, [WriteItem(h, p) for h, p in zip(hs, pages, strict=True)], done.append)
+    assert done == [] and t.read(BASE, hs) == [""] * 3
+    t.close()

@@ -203,6 +203,7 @@ class DiskTier:
         for d in self._devices:
             if d.thread is not None:
                 d.thread.join()
+            d.io.shutdown(wait=True)
         self._reader.shutdown(wait=True)
         for d in self._devices:
             if d.active is not None and not d.failed:
@@ -273,6 +274,9 @@ class DiskTier:
         nbytes = len(items) * layout.page_bytes
         with self._lock:
             ns = self._namespace_for(key, layout)
+            if ns.layout.digest != layout.digest:  # a fingerprint collision: never write one layout under another
+                self._verify_failures["digest"] += len(items)
+                return False
             for _ in range(len(self._devices)):
                 d = self._devices[self._turn % len(self._devices)]
                 self._turn += 1
