@@ -25,6 +25,14 @@ SESSION = Session(Peer(uid=os.getuid(), pid=os.getpid(), privileged=True))
 POLL_S = 10.0
 
 
+def register_instance(engine: Engine, instance: str, dtype: str, shared: SharedArray) -> None:
+    """Registers a one-layer instance of BLOCKS blocks of SLOT bytes in `shared` (one worker, SESSION's)."""
+    layer = LayerRegistration(
+        LayerGeometry("model.layers.0.attn", dtype, SLOT, 1, 0, "test"), BLOCKS, (SLOT,), ShmSpec(0, 0, SLOT * BLOCKS)
+    )
+    engine.register(WorkerRegistration(instance, "llama", 0, 1, 0, 1, 16, (layer,)), SESSION, [shared.fd])
+
+
 class Node:
     """An engine with a tier over `device`, and one registered worker whose KV is a sealed memfd."""
 
@@ -36,13 +44,7 @@ class Node:
         self.kv = self.shared.array
         self.kv[:] = np.random.default_rng(seed).integers(0, 256, self.kv.shape, dtype=np.uint8)
         self.worker = (instance, 0, 0)
-        layer = LayerRegistration(
-            LayerGeometry("model.layers.0.attn", dtype, SLOT, 1, 0, "test"),
-            BLOCKS,
-            (SLOT,),
-            ShmSpec(0, 0, SLOT * BLOCKS),
-        )
-        self.engine.register(WorkerRegistration(instance, "llama", 0, 1, 0, 1, 16, (layer,)), SESSION, [self.shared.fd])
+        register_instance(self.engine, instance, dtype, self.shared)
 
     def save(self, block_hashes: list[bytes]) -> None:
         r = self.engine.save(self.worker, block_hashes, list(range(len(block_hashes))), SESSION)
@@ -162,13 +164,7 @@ def test_two_instances_saving_one_prefix_write_it_once(device: MemoryDevice, nod
     nodes.append(node)
     other_kv = SharedArray((BLOCKS, SLOT))
     try:
-        layer = LayerRegistration(
-            LayerGeometry("model.layers.0.attn", "bfloat16", SLOT, 1, 0, "test"),
-            BLOCKS,
-            (SLOT,),
-            ShmSpec(0, 0, SLOT * BLOCKS),
-        )
-        node.engine.register(WorkerRegistration("v", "llama", 0, 1, 0, 1, 16, (layer,)), SESSION, [other_kv.fd])
+        register_instance(node.engine, "v", "bfloat16", other_kv)
         hs = hashes("d", 16)
         node.save(hs)
         node.engine.save(("v", 0, 0), hs, list(range(16)), SESSION)
@@ -188,13 +184,7 @@ def test_another_layout_never_refills_from_these_records(device: MemoryDevice, n
     node.save(hs)
     fp16 = SharedArray((BLOCKS, SLOT))  # same bytes per block, another dtype: another final namespace
     try:
-        layer = LayerRegistration(
-            LayerGeometry("model.layers.0.attn", "float16", SLOT, 1, 0, "test"),
-            BLOCKS,
-            (SLOT,),
-            ShmSpec(0, 0, SLOT * BLOCKS),
-        )
-        node.engine.register(WorkerRegistration("x", "llama", 0, 1, 0, 1, 16, (layer,)), SESSION, [fp16.fd])
+        register_instance(node.engine, "x", "float16", fp16)
         q = node.engine.query("x", hs, SESSION.peer)
         assert (q.hits, q.loading) == (0, False)
         assert len(node.tier.namespaces()) == 1
