@@ -770,11 +770,14 @@ class _Recovery:
         for d in self.tier._devices:
             quarantined, purged = _read_notes(d.device)
             self.purged = purged
-            for seq in d.device.segments():
+            segments = d.device.segments()
+            # segment numbers only grow, past every segment a note names too: a note never applies to a newer one
+            noted = [seq for seq, _ in quarantined] + [seq for seq, _ in purged.values()]
+            d.next_seq = max([d.next_seq, *(seq + 1 for seq in segments + noted)])
+            for seq in segments:
                 if self.mode == "none":
                     d.device.remove(seq)
                     continue
-                d.next_seq = max(d.next_seq, seq + 1)
                 self._segment(d, seq, {off for s, off in quarantined if s == seq})
         return RecoveryReport(
             segments=self.segments,
