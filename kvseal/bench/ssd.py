@@ -45,8 +45,9 @@ class Plan:
     recovery_records: int
 
 
-FULL = Plan("full", 2 << 30, 1_000_000)
+FULL = Plan("full", 1 << 30, 1_000_000)
 QUICK = Plan("quick: smoke figures on small sizes, not the targets' measurement", 128 << 20, 50_000)
+REPS = 2  # tier and dd alternate this many times per page size
 
 
 def _layout(page_bytes: int) -> Layout:
@@ -97,41 +98,48 @@ def _dd(args: list[str]) -> float:
 
 
 def _throughput_case(plan: Plan, directory: Path, page_bytes: int) -> dict[str, float]:
+    """Tier and dd alternated REPS times on the same bytes (the disks here are shared and drift by 2x within
+    minutes): the best of each."""
     layout = _layout(page_bytes)
     n = plan.bytes_per_case // page_bytes
     arena = np.random.default_rng(page_bytes).integers(0, 256, n * page_bytes, dtype=np.uint8)
     hashes = [i.to_bytes(32, "big") for i in range(n)]
-    tier_dir = directory / f"tier-{page_bytes}"
-    capacity = 2 * plan.bytes_per_case + (512 << 20)
-    tier = _tier(tier_dir, capacity, 256 << 20)
-    tier.open()
-    write_s = _write_all(tier, layout, arena, hashes)
-    tier.close()
-    reader = _tier(tier_dir, capacity, 256 << 20)
-    reader.open()
-    read_s, bad = _read_all(reader, layout, hashes)
-    reader.close()
-    if bad:
-        raise RuntimeError(f"{bad} blocks failed verification")
-    shutil.rmtree(tier_dir)
     data = n * page_bytes
-    dd_file = directory / "dd.bin"
     count = data // (4 << 20)
-    dd_w = _dd(["if=/dev/zero", f"of={dd_file}", "bs=4M", f"count={count}", "oflag=direct"])
-    dd_r = _dd([f"if={dd_file}", "of=/dev/null", "bs=4M", "iflag=direct"])
-    dd_file.unlink()
     dd_bytes = count * (4 << 20)
-    return {
-        "write_gbps": data / write_s / 1e9,
-        "read_gbps": data / read_s / 1e9,
-        "dd_write_gbps": dd_bytes / dd_w / 1e9,
-        "dd_read_gbps": dd_bytes / dd_r / 1e9,
-    }
+    dd_file = directory / "dd.bin"
+    capacity = 2 * plan.bytes_per_case + (512 << 20)
+    best = {"write_gbps": 0.0, "read_gbps": 0.0, "dd_write_gbps": 0.0, "dd_read_gbps": 0.0}
+
+    def keep(name: str, gbps: float) -> None:
+        best[name] = max(best[name], gbps)
+
+    for rep in range(REPS):
+        keep(
+            "dd_write_gbps",
+            dd_bytes / _dd(["if=/dev/zero", f"of={dd_file}", "bs=4M", f"count={count}", "oflag=direct"]) / 1e9,
+        )
+        keep("dd_read_gbps", dd_bytes / _dd([f"if={dd_file}", "of=/dev/null", "bs=4M", "iflag=direct"]) / 1e9)
+        dd_file.unlink()
+        tier_dir = directory / f"tier-{page_bytes}-{rep}"
+        tier = _tier(tier_dir, capacity, 256 << 20)
+        tier.open()
+        keep("write_gbps", data / _write_all(tier, layout, arena, hashes) / 1e9)
+        tier.close()
+        reader = _tier(tier_dir, capacity, 256 << 20)
+        reader.open()
+        read_s, bad = _read_all(reader, layout, hashes)
+        reader.close()
+        if bad:
+            raise RuntimeError(f"{bad} blocks failed verification")
+        keep("read_gbps", data / read_s / 1e9)
+        shutil.rmtree(tier_dir)
+    return best
 
 
-def _save_case(plan: Plan, directory: Path, with_ssd: bool) -> tuple[float, float]:
-    """Save GB/s through a real engine (best of the repetitions), and seconds from the last Save until the SSD held
-    every block (0 without the tier)."""
+def _save_case(plan: Plan, directory: Path, with_ssd: bool) -> tuple[float, float, int]:
+    """Save GB/s through a real engine (best of the repetitions), seconds from the last Save until the SSD had
+    written (or skipped) every block, and how many it skipped (0, 0 without the tier)."""
     from kvseal.bench.engine import EngineProcess, Hashes, SharedKV, free_port, layer_names, register
     from kvseal.client import EngineClient
 
@@ -155,20 +163,26 @@ def _save_case(plan: Plan, directory: Path, with_ssd: bool) -> tuple[float, floa
             client.save(worker.key, block_hashes, list(range(batch)))
             best = min(best, time.perf_counter() - t0)
         t_last = time.perf_counter()
-        drain = 0.0
+        drain, skipped = 0.0, 0
         if with_ssd:
             deadline = t_last + 300
-            while engine.metrics().get("kvseal_ssd_records", 0) < reps * batch:
+
+            def handled() -> tuple[float, float]:
+                m = engine.metrics()
+                return m.get("kvseal_ssd_records", 0), m.get("kvseal_ssd_skipped_total", 0)
+
+            while sum(handled()) < reps * batch:  # every block written, or skipped (its queue was full)
                 if time.perf_counter() > deadline:
-                    raise RuntimeError("the SSD writers did not catch up in 300 s")
+                    raise RuntimeError(f"the SSD writers did not catch up in 300 s: {handled()}")
                 time.sleep(0.01)  # poll interval of a bounded wait on the engine's own figure
             drain = time.perf_counter() - t_last
+            skipped = int(handled()[1])
         client.close()
     finally:
         engine.stop()
         kv.close()
         shutil.rmtree(directory / "save-tier", ignore_errors=True)
-    return batch * page / best / 1e9, drain
+    return batch * page / best / 1e9, drain, skipped
 
 
 def _recovery_case(plan: Plan, directory: Path, crash: bool) -> float:
@@ -211,13 +225,14 @@ def main(quick: bool = False, directory: str | None = None) -> int:
                     f"  {page_bytes >> 10:>5} KiB pages: write {f['write_gbps']:.2f} GB/s "
                     f"({f['write_gbps'] / f['dd_write_gbps']:.2f} x dd {f['dd_write_gbps']:.2f}), read "
                     f"{f['read_gbps']:.2f} GB/s ({f['read_gbps'] / f['dd_read_gbps']:.2f} x dd "
-                    f"{f['dd_read_gbps']:.2f}) over {plan.bytes_per_case >> 20} MiB"
+                    f"{f['dd_read_gbps']:.2f}) over {plan.bytes_per_case >> 20} MiB, best of {REPS}"
                 )
-            save_off, _ = _save_case(plan, work, with_ssd=False)
-            save_on, drain = _save_case(plan, work, with_ssd=True)
+            save_off, _, _ = _save_case(plan, work, with_ssd=False)
+            save_on, drain, skipped = _save_case(plan, work, with_ssd=True)
             print(
                 f"  Save, 2 MiB pages: {save_off:.2f} GB/s without the tier, {save_on:.2f} GB/s writing through "
-                f"({save_on / save_off:.2f} x); the disk held every block {drain:.2f} s after the last Save"
+                f"({save_on / save_off:.2f} x); the writers were done {drain:.2f} s after the last Save, "
+                f"{skipped} blocks skipped (queues full: the pool's quarter they may pin)"
             )
             recovery = _recovery_case(plan, work, crash=False)
             scan = _recovery_case(plan, work, crash=True)
