@@ -16,13 +16,15 @@ through the segment summaries; and the same after a crash (no close: the open se
 Last line:
     RESULT ssd_write_gbps=... ssd_read_gbps=... dd_write_gbps=... dd_read_gbps=... write_ratio=... read_ratio=...
            recovery_s_per_m=... scan_s_per_m=... save_with_ssd_ratio=...
-(write/read figures: the 2 MiB pages; ratios: tier over dd. Targets: ratios >= 0.9, recovery <= 2 s per million.)
+(write/read figures: the 2 MiB pages, medians of 3 repetitions, each the tier over the mean of the dd runs just
+before and after it. Targets: ratios >= 0.9, recovery <= 2 s per million.)
 """
 
 from __future__ import annotations
 
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -47,7 +50,7 @@ class Plan:
 
 FULL = Plan("full", 1 << 30, 1_000_000)
 QUICK = Plan("quick: smoke figures on small sizes, not the targets' measurement", 128 << 20, 50_000)
-REPS = 2  # tier and dd alternate this many times per page size
+REPS = 3  # repetitions per page size, each between two dd runs
 
 
 def _layout(page_bytes: int) -> Layout:
@@ -79,7 +82,7 @@ def _write_all(tier: DiskTier, layout: Layout, arena: np.ndarray, hashes: list[b
 def _read_all(tier: DiskTier, layout: Layout, hashes: list[bytes], batch: int = 256) -> tuple[float, int]:
     key = (0, namespace_final("bench", layout))
     size = layout.page_bytes
-    scratch = np.empty(batch * size, dtype=np.uint8)
+    scratch = np.ones(batch * size, dtype=np.uint8)  # faulted in: the pool pages a refill writes are too
     views = [memoryview(scratch[k * size : (k + 1) * size]) for k in range(batch)]
     bad = 0
     t0 = time.perf_counter()
@@ -98,8 +101,9 @@ def _dd(args: list[str]) -> float:
 
 
 def _throughput_case(plan: Plan, directory: Path, page_bytes: int) -> dict[str, float]:
-    """Tier and dd alternated REPS times on the same bytes (the disks here are shared and drift by 2x within
-    minutes): the best of each."""
+    """Each repetition brackets the tier between two dd runs on the same bytes (the disks here are shared and
+    drift by 2x within minutes) and takes the tier over the mean of its two dd neighbours; the ratios are the
+    medians of the repetitions', the GB/s figures the medians too."""
     layout = _layout(page_bytes)
     n = plan.bytes_per_case // page_bytes
     arena = np.random.default_rng(page_bytes).integers(0, 256, n * page_bytes, dtype=np.uint8)
@@ -109,32 +113,46 @@ def _throughput_case(plan: Plan, directory: Path, page_bytes: int) -> dict[str, 
     dd_bytes = count * (4 << 20)
     dd_file = directory / "dd.bin"
     capacity = 2 * plan.bytes_per_case + (512 << 20)
-    best = {"write_gbps": 0.0, "read_gbps": 0.0, "dd_write_gbps": 0.0, "dd_read_gbps": 0.0}
 
-    def keep(name: str, gbps: float) -> None:
-        best[name] = max(best[name], gbps)
-
-    for rep in range(REPS):
-        keep(
-            "dd_write_gbps",
-            dd_bytes / _dd(["if=/dev/zero", f"of={dd_file}", "bs=4M", f"count={count}", "oflag=direct"]) / 1e9,
-        )
-        keep("dd_read_gbps", dd_bytes / _dd([f"if={dd_file}", "of=/dev/null", "bs=4M", "iflag=direct"]) / 1e9)
+    def dd() -> tuple[float, float]:
+        w = _dd(["if=/dev/zero", f"of={dd_file}", "bs=4M", f"count={count}", "oflag=direct"])
+        r = _dd([f"if={dd_file}", "of=/dev/null", "bs=4M", "iflag=direct"])
         dd_file.unlink()
+        return dd_bytes / w / 1e9, dd_bytes / r / 1e9
+
+    runs: dict[str, list[float]] = {k: [] for k in ("write", "read", "dd_write", "dd_read", "wr", "rr")}
+    before = dd()
+    for rep in range(REPS):
         tier_dir = directory / f"tier-{page_bytes}-{rep}"
         tier = _tier(tier_dir, capacity, 256 << 20)
         tier.open()
-        keep("write_gbps", data / _write_all(tier, layout, arena, hashes) / 1e9)
+        write = data / _write_all(tier, layout, arena, hashes) / 1e9
         tier.close()
         reader = _tier(tier_dir, capacity, 256 << 20)
         reader.open()
         read_s, bad = _read_all(reader, layout, hashes)
         reader.close()
+        shutil.rmtree(tier_dir)
         if bad:
             raise RuntimeError(f"{bad} blocks failed verification")
-        keep("read_gbps", data / read_s / 1e9)
-        shutil.rmtree(tier_dir)
-    return best
+        after = dd()
+        dd_w, dd_r = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
+        for k, v in (("write", write), ("read", data / read_s / 1e9), ("dd_write", dd_w), ("dd_read", dd_r)):
+            runs[k].append(v)
+        runs["wr"].append(write / dd_w)
+        runs["rr"].append(runs["read"][-1] / dd_r)
+        before = after
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {
+        "write_gbps": med["write"],
+        "read_gbps": med["read"],
+        "dd_write_gbps": med["dd_write"],
+        "dd_read_gbps": med["dd_read"],
+        "write_ratio": med["wr"],
+        "read_ratio": med["rr"],
+        "write_ratios": runs["wr"],
+        "read_ratios": runs["rr"],
+    }
 
 
 def _save_case(plan: Plan, directory: Path, with_ssd: bool) -> tuple[float, float, int]:
@@ -217,15 +235,16 @@ def main(quick: bool = False, directory: str | None = None) -> int:
         direct = FileDevice(work / "probe", 1 << 20, 256 << 10).direct
         print(f"  O_DIRECT {'supported' if direct else 'NOT supported: buffered I/O (figures include the page cache)'}")
         try:
-            figures = {}
+            figures: dict[int, dict[str, Any]] = {}
             for page_bytes in (2 << 20, 128 << 10):
                 f = _throughput_case(plan, work, page_bytes)
                 figures[page_bytes] = f
+                ratios = " ".join(f"{w:.2f}/{r:.2f}" for w, r in zip(f["write_ratios"], f["read_ratios"], strict=True))
                 print(
-                    f"  {page_bytes >> 10:>5} KiB pages: write {f['write_gbps']:.2f} GB/s "
-                    f"({f['write_gbps'] / f['dd_write_gbps']:.2f} x dd {f['dd_write_gbps']:.2f}), read "
-                    f"{f['read_gbps']:.2f} GB/s ({f['read_gbps'] / f['dd_read_gbps']:.2f} x dd "
-                    f"{f['dd_read_gbps']:.2f}) over {plan.bytes_per_case >> 20} MiB, best of {REPS}"
+                    f"  {page_bytes >> 10:>5} KiB pages: write {f['write_gbps']:.2f} GB/s = {f['write_ratio']:.2f} "
+                    f"x dd {f['dd_write_gbps']:.2f}, read {f['read_gbps']:.2f} GB/s = {f['read_ratio']:.2f} x dd "
+                    f"{f['dd_read_gbps']:.2f} (medians of {REPS} over {plan.bytes_per_case >> 20} MiB; write/read "
+                    f"ratios {ratios})"
                 )
             save_off, _, _ = _save_case(plan, work, with_ssd=False)
             save_on, drain, skipped = _save_case(plan, work, with_ssd=True)
@@ -248,8 +267,7 @@ def main(quick: bool = False, directory: str | None = None) -> int:
         "RESULT "
         f"ssd_write_gbps={main_fig['write_gbps']:.2f} ssd_read_gbps={main_fig['read_gbps']:.2f} "
         f"dd_write_gbps={main_fig['dd_write_gbps']:.2f} dd_read_gbps={main_fig['dd_read_gbps']:.2f} "
-        f"write_ratio={main_fig['write_gbps'] / main_fig['dd_write_gbps']:.3f} "
-        f"read_ratio={main_fig['read_gbps'] / main_fig['dd_read_gbps']:.3f} "
+        f"write_ratio={main_fig['write_ratio']:.3f} read_ratio={main_fig['read_ratio']:.3f} "
         f"recovery_s_per_m={recovery:.2f} scan_s_per_m={scan:.2f} save_with_ssd_ratio={save_on / save_off:.3f}",
         flush=True,
     )

@@ -45,7 +45,7 @@ log = logging.getLogger("kvseal.ssd")
 
 NamespaceKey = tuple[int, str]  # (tenant, namespace_final)
 _Group = tuple[fmt.Namespace, list[int], list[bytes]]  # a namespace of a segment: its blocks' offsets and hashes
-_MAX_READ_RUN = 16 << 20  # one device read covers adjacent records up to this many bytes
+_MAX_READ_RUN = 8 << 20  # one device read covers adjacent records up to this many bytes
 _MAX_READ_GAP = 64 << 10  # records this close are read together (the gap is padding between write batches)
 RECOVERY_MODES = ("scan", "strict", "none")
 WRITE_DEPTH = 2  # device writes in flight per path: one being written while the next is built
@@ -159,7 +159,7 @@ class DiskTier:
         devices: Sequence[Device],
         *,
         batch_bytes: int = 4 << 20,
-        read_threads: int = 4,
+        read_threads: int = 8,
         max_pending_bytes: int = 512 << 20,
     ) -> None:
         if not devices:
