@@ -1,7 +1,8 @@
 """The benchmarks run end to end in their quick form (no speed assertions): `kvseal bench engine --quick` ends
 with a well-formed RESULT line whose figures are named after what it measured, not after the full run's targets,
 on the base install (torch cannot be imported, neither by the benchmark nor by the engine it starts), and
-`bench/store_ops.py --quick` prints its table."""
+`bench/store_ops.py --quick` prints its table, and `kvseal bench ssd --quick` ends with its RESULT line and
+leaves nothing in its directory."""
 
 from __future__ import annotations
 
@@ -69,3 +70,32 @@ def test_quick_store_ops_benchmark_prints_its_table() -> None:
     for op in ("begin_save (evict)", "finish_save", "query", "release", "begin_load", "finish_load", "engine save"):
         assert any(line.startswith(op) for line in proc.stdout.splitlines()), proc.stdout
     assert "cross-class stall" in proc.stdout
+
+
+@pytest.mark.process
+@pytest.mark.timeout(240)
+def test_quick_ssd_benchmark_prints_a_result_line(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvseal", "bench", "ssd", "--quick", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "quick: smoke figures on small sizes, not the targets' measurement" in proc.stdout
+    head, *pairs = proc.stdout.strip().splitlines()[-1].split(" ")
+    assert head == "RESULT"
+    values = {k: float(v) for k, v in (pair.split("=", 1) for pair in pairs)}
+    assert list(values) == [
+        "ssd_write_gbps",
+        "ssd_read_gbps",
+        "dd_write_gbps",
+        "dd_read_gbps",
+        "write_ratio",
+        "read_ratio",
+        "recovery_s_per_m",
+        "scan_s_per_m",
+        "save_with_ssd_ratio",
+    ]
+    assert all(math.isfinite(v) and v > 0 for v in values.values()), values
+    assert list(tmp_path.iterdir()) == []  # its files are gone
