@@ -14,7 +14,7 @@ import sys
 from typing import NoReturn
 
 import kvseal
-from kvseal.server.config import ConfigError, ServeConfig, check_config, format_size
+from kvseal.server.config import ConfigError, ServeConfig, check_config, format_size, is_loopback
 
 _UNITS = {
     "": 1,
@@ -247,6 +247,25 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     names.add_argument("--token", default=None, help="the engine's token; default: $KVSEAL_TOKEN")
     names.add_argument("--json", action="store_true", help="JSON instead of a table")
 
+    meta = sub.add_parser(
+        "metaserver", help="run the MetaServer: which node holds which block", formatter_class=_HelpFormatter
+    )
+    meta.add_argument("--listen", type=_grpc_address, default="127.0.0.1:50056", help="gRPC address: HOST:PORT")
+    meta.add_argument("--http-listen", type=_http_address, default="127.0.0.1:9092", help="/health, /metrics; '' = off")
+    meta.add_argument(
+        "--store",
+        default="memory",
+        help="'memory' (embedded: a restart forgets, nodes announce again) or redis://HOST:PORT/DB (a real "
+        "redis-server: several MetaServers on one Redis agree, a restart forgets nothing)",
+    )
+    meta.add_argument("--stale-after", type=_positive_seconds, default=10.0, help="seconds a silent node stays visible")
+    meta.add_argument(
+        "--forget-after", type=_positive_seconds, default=60.0, help="seconds after staleness a node is forgotten"
+    )
+    meta.add_argument("--allow-remote", action="store_true", help="allow non-loopback addresses (needs a token)")
+    meta.add_argument("--token", default=None, help="shared bearer token; default: $KVSEAL_TOKEN, else none")
+    meta.add_argument("--log-level", type=str.upper, choices=_LOG_LEVELS, default="INFO", help="logging level")
+
     ssd = sub.add_parser("ssd", help="offline tools for SSD tier directories")
     ssd.add_argument("what", choices=["inspect"])
     ssd.add_argument("directory", nargs="+", help="the tier's --ssd-path directories (a stopped engine's)")
@@ -264,6 +283,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parses and checks the command line; a bad value exits with status 2 and one line naming the flag."""
     parser, serve = _parsers()
     args = parser.parse_args(argv)
+    if args.command == "metaserver":
+        args.token = args.token or os.environ.get("KVSEAL_TOKEN") or None
+        remote = [a for a in (args.listen, args.http_listen) if a and not is_loopback(a)]
+        if remote and not (args.allow_remote and args.token):
+            parser.error(
+                f"argument --listen: {remote[0]!r} is not a loopback address: pass 127.0.0.1:PORT, or add "
+                "--allow-remote and --token to open the MetaServer to other machines"
+            )
+        if not (args.store == "memory" or args.store.startswith("redis://")):
+            parser.error(f"argument --store: 'memory' or redis://HOST:PORT/DB, got {args.store!r}")
     if args.command == "namespaces" and (args.action == "purge") != bool(args.namespace):
         parser.error("kvseal namespaces purge NAMESPACE_FINAL: name one final namespace (and only with purge)")
     if args.command != "serve":
@@ -292,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "purge":
             return inventory.purge(args.http, token, args.namespace, args.uid, args.json)
         return inventory.namespaces(args.http, token, args.json)
+    if args.command == "metaserver":
+        return _metaserver(args)
     if args.command == "ssd":
         from kvseal import inventory
 
@@ -326,6 +357,38 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         ssd_segment_bytes=args.ssd_segment_size,
         ssd_recovery=args.ssd_recovery,
     )
+
+
+def _metaserver(args: argparse.Namespace) -> int:
+    from kvseal.errors import KvsealError
+    from kvseal.meta.server import MetaConfig, MetaServer
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = MetaConfig(
+        listen=args.listen,
+        http_listen=args.http_listen,
+        store=args.store,
+        stale_after_s=args.stale_after,
+        forget_after_s=args.forget_after,
+        token=args.token,
+    )
+    try:
+        server = MetaServer(cfg)
+        server.start()
+    except (KvsealError, ConnectionError) as e:
+        print(f"kvseal metaserver: error: {e}", file=sys.stderr)
+        return 1
+    signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: server.request_stop())
+    http = f"127.0.0.1:{server.http_port}" if server.http_port else "nothing (off)"
+    print(
+        f"kvseal metaserver serving gRPC on {args.listen.rsplit(':', 1)[0]}:{server.port}, HTTP on {http}, store "
+        f"{args.store} (epoch {server.store.epoch})",
+        flush=True,
+    )
+    server.wait()
+    server.stop()
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:

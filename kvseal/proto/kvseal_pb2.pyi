@@ -206,3 +206,85 @@ class InfoResponse(_message.Message):
     pool_bytes: int
     lane_socket: str
     def __init__(self, version: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., lane_socket: _Optional[str] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "session", "address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    session: str
+    address: str
+    def __init__(self, node_id: _Optional[str] = ..., session: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("epoch", "stale_after_ms", "new_session")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STALE_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    NEW_SESSION_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    stale_after_ms: int
+    new_session: bool
+    def __init__(self, epoch: _Optional[str] = ..., stale_after_ms: _Optional[int] = ..., new_session: _Optional[bool] = ...) -> None: ...
+
+class NamespaceBlocks(_message.Message):
+    __slots__ = ("namespace_final", "block_hashes")
+    NAMESPACE_FINAL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace_final: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace_final: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class BlocksRequest(_message.Message):
+    __slots__ = ("node_id", "session", "blocks")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    session: str
+    blocks: _containers.RepeatedCompositeFieldContainer[NamespaceBlocks]
+    def __init__(self, node_id: _Optional[str] = ..., session: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[NamespaceBlocks, _Mapping]]] = ...) -> None: ...
+
+class BlocksResponse(_message.Message):
+    __slots__ = ("changed",)
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    changed: int
+    def __init__(self, changed: _Optional[int] = ...) -> None: ...
+
+class QueryPrefixRequest(_message.Message):
+    __slots__ = ("namespace_final", "block_hashes")
+    NAMESPACE_FINAL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace_final: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace_final: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class NodePrefix(_message.Message):
+    __slots__ = ("node_id", "address", "prefix")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    prefix: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., prefix: _Optional[int] = ...) -> None: ...
+
+class QueryPrefixResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodePrefix]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodePrefix, _Mapping]]] = ...) -> None: ...
+
+class UnregisterNodeRequest(_message.Message):
+    __slots__ = ("node_id", "session")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    session: str
+    def __init__(self, node_id: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
+
+class UnregisterNodeResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: bool
+    def __init__(self, removed: _Optional[bool] = ...) -> None: ...

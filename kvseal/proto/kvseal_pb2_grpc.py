@@ -193,3 +193,247 @@ class Engine:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class MetaServerStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Heartbeat = channel.unary_unary(
+                '/kvseal.v1.MetaServer/Heartbeat',
+                request_serializer=kvseal_dot_proto_dot_kvseal__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=kvseal_dot_proto_dot_kvseal__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
+        self.Announce = channel.unary_unary(
+                '/kvseal.v1.MetaServer/Announce',
+                request_serializer=kvseal_dot_proto_dot_kvseal__pb2.BlocksRequest.SerializeToString,
+                response_deserializer=kvseal_dot_proto_dot_kvseal__pb2.BlocksResponse.FromString,
+                _registered_method=True)
+        self.Withdraw = channel.unary_unary(
+                '/kvseal.v1.MetaServer/Withdraw',
+                request_serializer=kvseal_dot_proto_dot_kvseal__pb2.BlocksRequest.SerializeToString,
+                response_deserializer=kvseal_dot_proto_dot_kvseal__pb2.BlocksResponse.FromString,
+                _registered_method=True)
+        self.QueryPrefix = channel.unary_unary(
+                '/kvseal.v1.MetaServer/QueryPrefix',
+                request_serializer=kvseal_dot_proto_dot_kvseal__pb2.QueryPrefixRequest.SerializeToString,
+                response_deserializer=kvseal_dot_proto_dot_kvseal__pb2.QueryPrefixResponse.FromString,
+                _registered_method=True)
+        self.Unregister = channel.unary_unary(
+                '/kvseal.v1.MetaServer/Unregister',
+                request_serializer=kvseal_dot_proto_dot_kvseal__pb2.UnregisterNodeRequest.SerializeToString,
+                response_deserializer=kvseal_dot_proto_dot_kvseal__pb2.UnregisterNodeResponse.FromString,
+                _registered_method=True)
+
+
+class MetaServerServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Announce(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Withdraw(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def QueryPrefix(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unregister(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_MetaServerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=kvseal_dot_proto_dot_kvseal__pb2.HeartbeatRequest.FromString,
+                    response_serializer=kvseal_dot_proto_dot_kvseal__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Announce': grpc.unary_unary_rpc_method_handler(
+                    servicer.Announce,
+                    request_deserializer=kvseal_dot_proto_dot_kvseal__pb2.BlocksRequest.FromString,
+                    response_serializer=kvseal_dot_proto_dot_kvseal__pb2.BlocksResponse.SerializeToString,
+            ),
+            'Withdraw': grpc.unary_unary_rpc_method_handler(
+                    servicer.Withdraw,
+                    request_deserializer=kvseal_dot_proto_dot_kvseal__pb2.BlocksRequest.FromString,
+                    response_serializer=kvseal_dot_proto_dot_kvseal__pb2.BlocksResponse.SerializeToString,
+            ),
+            'QueryPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.QueryPrefix,
+                    request_deserializer=kvseal_dot_proto_dot_kvseal__pb2.QueryPrefixRequest.FromString,
+                    response_serializer=kvseal_dot_proto_dot_kvseal__pb2.QueryPrefixResponse.SerializeToString,
+            ),
+            'Unregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unregister,
+                    request_deserializer=kvseal_dot_proto_dot_kvseal__pb2.UnregisterNodeRequest.FromString,
+                    response_serializer=kvseal_dot_proto_dot_kvseal__pb2.UnregisterNodeResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvseal.v1.MetaServer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvseal.v1.MetaServer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class MetaServer:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvseal.v1.MetaServer/Heartbeat',
+            kvseal_dot_proto_dot_kvseal__pb2.HeartbeatRequest.SerializeToString,
+            kvseal_dot_proto_dot_kvseal__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Announce(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvseal.v1.MetaServer/Announce',
+            kvseal_dot_proto_dot_kvseal__pb2.BlocksRequest.SerializeToString,
+            kvseal_dot_proto_dot_kvseal__pb2.BlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Withdraw(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvseal.v1.MetaServer/Withdraw',
+            kvseal_dot_proto_dot_kvseal__pb2.BlocksRequest.SerializeToString,
+            kvseal_dot_proto_dot_kvseal__pb2.BlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def QueryPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvseal.v1.MetaServer/QueryPrefix',
+            kvseal_dot_proto_dot_kvseal__pb2.QueryPrefixRequest.SerializeToString,
+            kvseal_dot_proto_dot_kvseal__pb2.QueryPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvseal.v1.MetaServer/Unregister',
+            kvseal_dot_proto_dot_kvseal__pb2.UnregisterNodeRequest.SerializeToString,
+            kvseal_dot_proto_dot_kvseal__pb2.UnregisterNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

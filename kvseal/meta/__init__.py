@@ -1,0 +1,1 @@
+"""The MetaServer: which node holds which block (store), served over gRPC (server); `kvseal metaserver`."""

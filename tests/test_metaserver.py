@@ -1,0 +1,232 @@
+"""`kvseal metaserver` as a real process: heartbeats, announce/withdraw, QueryPrefix, staleness, a restart of the
+memory store (new epoch: nodes are told to announce again), validation naming the field; with a real redis-server
+two MetaServer replicas answer the same, and one killed leaves the other answering."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import REPO, free_port, http_get, wait_until
+
+from kvseal.proto import kvseal_pb2 as pb
+from kvseal.proto import kvseal_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.process
+NS = "llama.1a2b3c4d"
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+class Meta:
+    """A `kvseal metaserver` subprocess and a stub to it."""
+
+    def __init__(self, workdir: Path, *extra: str) -> None:
+        self.port, self.http_port = free_port(), free_port()
+        self.log = workdir / f"meta-{self.port}.log"
+        argv = [sys.executable, "-m", "kvseal", "metaserver", "--listen", f"127.0.0.1:{self.port}"]
+        argv += ["--http-listen", f"127.0.0.1:{self.http_port}", *extra]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        wait_until(self._ready, 30, "the MetaServer to serve")
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = pb_grpc.MetaServerStub(self.channel)
+
+    def _ready(self) -> bool:
+        assert self.proc.poll() is None, self.log.read_text()
+        try:
+            return http_get(f"http://127.0.0.1:{self.http_port}/health", timeout=1)[0] == 200
+        except OSError:
+            return False
+
+    def heartbeat(self, node: str, session: str = "s1", address: str = "127.0.0.1:7000") -> pb.HeartbeatResponse:
+        return self.stub.Heartbeat(pb.HeartbeatRequest(node_id=node, session=session, address=address), timeout=10)
+
+    def announce(self, node: str, hashes: list[bytes], session: str = "s1", ns: str = NS) -> int:
+        blocks = [pb.NamespaceBlocks(namespace_final=ns, block_hashes=hashes)]
+        return self.stub.Announce(pb.BlocksRequest(node_id=node, session=session, blocks=blocks), timeout=10).changed
+
+    def withdraw(self, node: str, hashes: list[bytes], session: str = "s1") -> int:
+        blocks = [pb.NamespaceBlocks(namespace_final=NS, block_hashes=hashes)]
+        return self.stub.Withdraw(pb.BlocksRequest(node_id=node, session=session, blocks=blocks), timeout=10).changed
+
+    def prefix(self, hashes: list[bytes], ns: str = NS) -> dict[str, int]:
+        r = self.stub.QueryPrefix(pb.QueryPrefixRequest(namespace_final=ns, block_hashes=hashes), timeout=10)
+        return {n.node_id: n.prefix for n in r.nodes}
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=15)
+
+
+@pytest.fixture
+def meta(tmp_path: Path) -> Iterator[Callable[..., Meta]]:
+    """start(*extra_args) -> a serving Meta; every one is killed at teardown."""
+    started: list[Meta] = []
+
+    def start(*extra: str) -> Meta:
+        started.append(Meta(tmp_path, *extra))
+        return started[-1]
+
+    yield start
+    for m in started:
+        m.stop(signal.SIGKILL)
+
+
+def test_nodes_announce_and_the_longest_prefix_comes_first(meta: Callable[..., Meta]) -> None:
+    m = meta()
+    assert m.heartbeat("a").new_session and m.heartbeat("b").new_session
+    assert not m.heartbeat("a").new_session  # the same session renewed
+    assert m.announce("a", [h(0), h(1), h(2)]) == 3 and m.announce("a", [h(2)]) == 0
+    assert m.announce("b", [h(0), h(1), h(3)]) == 3
+    assert m.prefix([h(0), h(1), h(2), h(3)]) == {"a": 3, "b": 2}
+    r = m.stub.QueryPrefix(pb.QueryPrefixRequest(namespace_final=NS, block_hashes=[h(0), h(1), h(2)]), timeout=10)
+    assert [n.node_id for n in r.nodes] == ["a", "b"] and r.nodes[0].address == "127.0.0.1:7000"
+    assert m.prefix([h(1)], ns="llama.ffffffff") == {}  # another layout's namespace: never offered
+    assert m.withdraw("a", [h(1)]) == 1
+    assert m.prefix([h(0), h(1), h(2)]) == {"a": 1, "b": 2}
+    m.heartbeat("a", session="s2")  # node a restarted: what its old session announced is gone
+    assert m.prefix([h(0), h(1), h(2)]) == {"b": 2}
+    with pytest.raises(grpc.RpcError) as e:
+        m.announce("a", [h(5)], session="s1")
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "heartbeat" in (e.value.details() or "")
+    unregister = m.stub.Unregister(pb.UnregisterNodeRequest(node_id="b", session="s1"), timeout=10)
+    assert unregister.removed and m.prefix([h(0)]) == {}
+    metrics = http_get(f"http://127.0.0.1:{m.http_port}/metrics")[1].decode()
+    assert (
+        "kvseal_meta_nodes 1.0" in metrics and 'kvseal_meta_rpc_seconds_count{code="OK",method="Announce"}' in metrics
+    )
+
+
+def test_a_silent_node_is_invisible_after_its_staleness_and_forgotten_later(meta: Callable[..., Meta]) -> None:
+    m = meta("--stale-after", "0.5", "--forget-after", "0.5")
+    assert m.heartbeat("quiet").stale_after_ms == 500
+    m.heartbeat("alive")
+    m.announce("quiet", [h(0)])
+    m.announce("alive", [h(0)])
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.0:
+        m.heartbeat("alive")  # keeps one of them live
+        time.sleep(0.1)  # a heartbeat interval, as an engine would send them
+    assert m.prefix([h(0)]) == {"alive": 1}
+    metrics = http_get(f"http://127.0.0.1:{m.http_port}/metrics")[1].decode()
+    assert "kvseal_meta_nodes 1.0" in metrics
+
+    # forgotten (purged) once stale past forget-after: its session is unknown now
+    def forgotten() -> bool:
+        m.heartbeat("alive")
+        try:
+            m.announce("quiet", [h(1)])
+            return False
+        except grpc.RpcError as e:
+            return e.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+    wait_until(forgotten, 10, "the silent node to be forgotten", interval=0.2)
+
+
+def test_a_restarted_memory_metaserver_has_a_new_epoch_and_nodes_announce_again(meta: Callable[..., Meta]) -> None:
+    m = meta()
+    epoch = m.heartbeat("a").epoch
+    m.announce("a", [h(0), h(1)])
+    assert m.stop() == 0
+    m2 = meta()
+    with pytest.raises(grpc.RpcError) as e:
+        m2.announce("a", [h(2)])
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    beat = m2.heartbeat("a")
+    assert beat.epoch != epoch and beat.new_session  # the node's cue to announce all its resident blocks
+    m2.announce("a", [h(0), h(1)])
+    assert m2.prefix([h(0), h(1)]) == {"a": 2}
+
+
+def test_bad_requests_are_refused_naming_the_field(meta: Callable[..., Meta]) -> None:
+    m = meta()
+    cases = [
+        (lambda: m.heartbeat(""), "node_id"),
+        (lambda: m.heartbeat("a", session="bad session"), "session"),
+        (lambda: m.heartbeat("a", address="nowhere"), "address"),
+        (lambda: m.announce("a", [b""]), "blocks[0].block_hashes[0]"),
+        (lambda: m.announce("a", [h(0)], ns="bad ns"), "blocks[0].namespace_final"),
+        (lambda: m.prefix([b"x" * 65]), "block_hashes[0]"),
+    ]
+    m.heartbeat("a")
+    for call, field in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in (e.value.details() or ""), field
+    assert m.proc.poll() is None
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    """A real redis-server (Debian's package) on a free port, data in tmp_path, killed at teardown."""
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is needed (scripts/test installs Debian's redis-server package)"
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    def answers() -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    wait_until(answers, 20, "redis-server to answer")
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.kill()
+    proc.wait()
+
+
+def test_two_replicas_on_one_redis_agree_and_one_killed_leaves_the_other(
+    meta: Callable[..., Meta], redis_url: str
+) -> None:
+    first = meta("--store", redis_url)
+    second = meta("--store", redis_url)
+    assert first.heartbeat("a").epoch == second.heartbeat("b").epoch
+    first.announce("a", [h(0), h(1)])
+    second.announce("b", [h(0)])
+    assert first.prefix([h(0), h(1)]) == second.prefix([h(0), h(1)]) == {"a": 2, "b": 1}
+    first.stop(signal.SIGKILL)
+    second.heartbeat("a")  # a's session is known to the other replica too
+    assert second.announce("a", [h(2)]) == 1
+    assert second.prefix([h(0), h(1), h(2)]) == {"a": 3, "b": 1}
+    third = meta("--store", redis_url)  # a restart forgets nothing
+    assert third.prefix([h(0), h(1), h(2)]) == {"a": 3, "b": 1}
+
+
+def test_an_unreachable_redis_is_unavailable_not_a_crash(meta: Callable[..., Meta]) -> None:
+    m = meta("--store", f"redis://127.0.0.1:{free_port()}/0")
+    with pytest.raises(grpc.RpcError) as e:
+        m.heartbeat("a")
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "store is unreachable" in (e.value.details() or "")
+    assert m.proc.poll() is None
