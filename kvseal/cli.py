@@ -228,6 +228,16 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="at start: rebuild the SSD index, cutting torn tails and dropping bad records (scan); refuse to start "
         "on any bad record (strict); or discard what is there (none)",
     )
+    serve.add_argument(
+        "--metaserver",
+        type=_grpc_address,
+        default=None,
+        help="HOST:PORT of a kvseal metaserver: heartbeat, announce resident blocks, withdraw evicted ones",
+    )
+    serve.add_argument("--node-id", default=None, help="this node's name at the MetaServer; default: the host name")
+    serve.add_argument(
+        "--advertise", type=_grpc_address, default=None, help="where peers reach this node; default: --listen"
+    )
     serve.add_argument("--log-level", type=str.upper, choices=_LOG_LEVELS, default="INFO", help="logging level")
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -356,6 +366,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         ssd_capacity_bytes=args.ssd_capacity or 0,
         ssd_segment_bytes=args.ssd_segment_size,
         ssd_recovery=args.ssd_recovery,
+        metaserver=args.metaserver or "",
+        node_id=args.node_id or "",
+        advertise=args.advertise or "",
     )
 
 

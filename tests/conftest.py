@@ -21,11 +21,13 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvseal.client import EngineClient
+from kvseal.client import EngineClient, layer_from_array
 from kvseal.errors import KvsealError
+from kvseal.memfd import SharedArray
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 60.0
@@ -275,3 +277,25 @@ def shm_files() -> Iterator[Callable[[int], str]]:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def save_blocks(engine: EngineProcess, instance: str, namespace: str, hashes: Sequence[bytes]) -> str:
+    """Registers a worker of one 16 KiB layer on `engine`, saves `hashes` from its first blocks, ends its session
+    (the blocks stay). Returns the instance's namespace_final."""
+    shared = SharedArray((len(hashes), 16384))
+    shared.array[:] = np.random.default_rng(len(hashes)).integers(0, 256, shared.array.shape, dtype=np.uint8)
+    with EngineClient(engine.target, timeout=30, token=engine.token) as client:
+        layer = layer_from_array("model.layers.0.attn", shared.array, shared, layout_tag="t", dtype="uint8")
+        status = client.register(
+            instance_id=instance,
+            namespace=namespace,
+            tp_rank=0,
+            tp_size=1,
+            pp_rank=0,
+            world_size=1,
+            block_size=16,
+            layers=[layer],
+        )
+        assert client.save((instance, 0, 0), list(hashes), list(range(len(hashes)))).completed == len(hashes)
+    shared.close()
+    return status.namespace_final

@@ -9,44 +9,22 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
-from conftest import REPO, EngineProcess, free_port, wait_until
-
-from kvseal.client import EngineClient, layer_from_array
-from kvseal.memfd import SharedArray
+from conftest import REPO, EngineProcess, free_port, save_blocks, wait_until
 
 pytestmark = pytest.mark.process
 
-BLOCKS, SLOT = 16, 16384
+BLOCKS = 16
+
+
+def tagged(tag: str) -> list[bytes]:
+    return [f"{tag}{i}".encode().ljust(32, b".") for i in range(BLOCKS)]
 
 
 def kvseal(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kvseal", *args], cwd=REPO, capture_output=True, text=True, timeout=120
     )
-
-
-def save_blocks(engine: EngineProcess, instance: str, namespace: str, tag: str) -> str:
-    """Registers a worker of one 16 KiB layer, saves BLOCKS blocks, ends its session; returns namespace_final."""
-    shared = SharedArray((BLOCKS, SLOT))
-    shared.array[:] = np.random.default_rng(1).integers(0, 256, shared.array.shape, dtype=np.uint8)
-    with EngineClient(engine.target, timeout=30) as client:
-        layer = layer_from_array("model.layers.0.attn", shared.array, shared, layout_tag="t", dtype="uint8")
-        status = client.register(
-            instance_id=instance,
-            namespace=namespace,
-            tp_rank=0,
-            tp_size=1,
-            pp_rank=0,
-            world_size=1,
-            block_size=16,
-            layers=[layer],
-        )
-        hashes = [f"{tag}{i}".encode().ljust(32, b".") for i in range(BLOCKS)]
-        assert client.save((instance, 0, 0), hashes, list(range(BLOCKS))).completed == BLOCKS
-    shared.close()
-    return status.namespace_final
 
 
 def test_namespaces_lists_purges_and_inspect_reads_the_directory(
@@ -56,8 +34,8 @@ def test_namespaces_lists_purges_and_inspect_reads_the_directory(
     args = ("--ssd-path", str(ssd), "--ssd-capacity", "64MiB", "--ssd-segment-size", "8MiB", "--slab-size", "4MiB")
     engine = engine_factory(*args)
     http = engine.http.removeprefix("http://")
-    keep = save_blocks(engine, "a", "keep", "k")
-    drop = save_blocks(engine, "b", "drop", "d")
+    keep = save_blocks(engine, "a", "keep", tagged("k"))
+    drop = save_blocks(engine, "b", "drop", tagged("d"))
     wait_until(lambda: engine.metric("kvseal_ssd_records") == 2 * BLOCKS, 30, "the blocks to reach the SSD")
 
     listed = kvseal("namespaces", "--http", http)

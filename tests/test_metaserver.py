@@ -10,12 +10,13 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from conftest import REPO, free_port, http_get, wait_until
+from conftest import REPO, EngineProcess, free_port, http_get, save_blocks, wait_until
 
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
@@ -31,8 +32,8 @@ def h(i: int) -> bytes:
 class Meta:
     """A `kvseal metaserver` subprocess and a stub to it."""
 
-    def __init__(self, workdir: Path, *extra: str) -> None:
-        self.port, self.http_port = free_port(), free_port()
+    def __init__(self, workdir: Path, *extra: str, port: int | None = None) -> None:
+        self.port, self.http_port = port or free_port(), free_port()
         self.log = workdir / f"meta-{self.port}.log"
         argv = [sys.executable, "-m", "kvseal", "metaserver", "--listen", f"127.0.0.1:{self.port}"]
         argv += ["--http-listen", f"127.0.0.1:{self.http_port}", *extra]
@@ -73,11 +74,11 @@ class Meta:
 
 @pytest.fixture
 def meta(tmp_path: Path) -> Iterator[Callable[..., Meta]]:
-    """start(*extra_args) -> a serving Meta; every one is killed at teardown."""
+    """start(*extra_args, port=None) -> a serving Meta; every one is killed at teardown."""
     started: list[Meta] = []
 
-    def start(*extra: str) -> Meta:
-        started.append(Meta(tmp_path, *extra))
+    def start(*extra: str, port: int | None = None) -> Meta:
+        started.append(Meta(tmp_path, *extra, port=port))
         return started[-1]
 
     yield start
@@ -230,3 +231,27 @@ def test_an_unreachable_redis_is_unavailable_not_a_crash(meta: Callable[..., Met
         m.heartbeat("a")
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "store is unreachable" in (e.value.details() or "")
     assert m.proc.poll() is None
+
+
+def test_an_engine_announces_its_blocks_withdraws_purged_ones_and_backfills_a_restarted_metaserver(
+    meta: Callable[..., Meta], engine_factory: Callable[..., EngineProcess]
+) -> None:
+    m = meta()
+    engine = engine_factory("--metaserver", f"127.0.0.1:{m.port}", "--node-id", "node-a")
+    hashes = [f"m{i}".encode().ljust(32, b".") for i in range(8)]
+    namespace = save_blocks(engine, "a", "llama", hashes)
+    wait_until(lambda: m.prefix(hashes, ns=namespace) == {"node-a": 8}, 20, "node-a's blocks to be announced")
+
+    request = urllib.request.Request(f"{engine.http}/v1/namespaces/{namespace}", method="DELETE")
+    with urllib.request.urlopen(request, timeout=10) as r:
+        assert r.status == 200
+    wait_until(lambda: m.prefix(hashes, ns=namespace) == {}, 20, "the purged blocks to be withdrawn")
+
+    save_blocks(engine, "b", "llama", hashes)
+    wait_until(lambda: m.prefix(hashes, ns=namespace) == {"node-a": 8}, 20, "the blocks saved again")
+    assert m.stop() == 0
+    again = meta(port=m.port)  # a memory store starts empty, with a new epoch: the engine announces everything again
+    wait_until(lambda: again.prefix(hashes, ns=namespace) == {"node-a": 8}, 30, "the engine to backfill")
+    assert engine.stop() == []
+    engine.expect_exit = True
+    wait_until(lambda: again.prefix(hashes, ns=namespace) == {}, 20, "the stopped engine to unregister")

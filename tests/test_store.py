@@ -811,3 +811,30 @@ def test_purge_frees_what_nothing_pins_and_leaves_leased_pages(clock: FakeClock)
     assert store.query(other, TP1, [h(1)], owner="o", shares=1).hits == 1  # another namespace keeps its blocks
     store.release(lease.lease_id, "o")
     check(store)
+
+
+def test_tracked_changes_replayed_give_exactly_the_resident_blocks(clock: FakeClock) -> None:
+    store = make_store(1 << 16, 1 << 14, clock)
+    ns = store.namespace("m.x", TP1)
+    save(store, ns, TP1, [h(1)])
+    store.track_changes()
+    model = set(store.sealed_hashes(ns))
+    assert model == {h(1)}
+
+    def replay() -> None:
+        for sealed, ns_id, block_hash in store.take_changes():
+            assert ns_id == ns
+            (model.add if sealed else model.discard)(block_hash)
+        assert model == set(store.sealed_hashes(ns))
+
+    save(store, ns, TP1, [h(2), h(3)])
+    replay()
+    assert store.take_changes() == []
+    for start in range(10, 200, 30):  # far more than the pool holds: evictions
+        save(store, ns, TP1, [h(i) for i in range(start, start + 30)])
+        replay()
+    assert h(1) not in model  # sealed before tracking began, evicted since: reported too
+    store.purge(ns)
+    replay()
+    assert model == set()
+    check(store)

@@ -205,6 +205,7 @@ class BlockStore:
         self._evictions = 0
         self._reclaimed = 0
         self._leases_expired = 0
+        self._changes: list[tuple[bool, int, bytes]] | None = None  # see track_changes
 
     # ---------------------------------------------------------------- namespaces and layouts
 
@@ -334,6 +335,9 @@ class BlockStore:
             slab_busy[slab_of[pid]] -= 1
         c = self._slab_class[slab_of[pids[0]]]
         self._link_mru(pids, c)
+        if self._changes is not None:
+            ns_id, hash_of = self._ns_of[pids[0]], self._hash
+            self._changes.extend((True, ns_id, hash_of[pid]) for pid in pids)  # type: ignore[misc]
         n = len(pids)
         size = n * self._class_bytes[c]
         self._inflight_bytes -= size
@@ -437,6 +441,8 @@ class BlockStore:
             p, q = prev[pid], nxt[pid]
             nxt[p] = q
             prev[q] = p
+            if self._changes is not None:
+                self._changes.append((False, ns_id, self._hash[pid]))  # type: ignore[arg-type]
             del ns.index[self._hash[pid]]  # type: ignore[arg-type]
             self._sealed_bytes -= self._page_bytes(pid)
             self._free(pid)
@@ -445,6 +451,24 @@ class BlockStore:
         ns.resident_blocks -= n
         ns.resident_bytes -= n * self._layouts[ns.layout_id].page_bytes
         return n, len(ns.index)
+
+    # ---------------------------------------------------------------- changes, for the MetaServer
+
+    def track_changes(self) -> None:
+        """From now on, record every block that becomes sealed or stops being resident (take_changes)."""
+        if self._changes is None:
+            self._changes = []
+
+    def take_changes(self) -> list[tuple[bool, int, bytes]]:
+        """(sealed, namespace id, hash) of every change since the last call, in order: True = now resident,
+        False = no longer resident (evicted or purged)."""
+        changes, self._changes = self._changes or [], [] if self._changes is not None else None
+        return changes
+
+    def sealed_hashes(self, ns_id: int) -> list[bytes]:
+        """The hashes of the namespace's sealed pages (a node announcing everything it holds)."""
+        state = self._state
+        return [h for h, pid in self._namespaces[ns_id].index.items() if state[pid] == SEALED]
 
     # ---------------------------------------------------------------- pages for other tiers
 
@@ -688,6 +712,8 @@ class BlockStore:
                 ns_id = ns_of[pid]
                 del namespaces[ns_id].index[hash_of[pid]]  # type: ignore[arg-type]
                 evicted[ns_id] = evicted.get(ns_id, 0) + 1
+                if self._changes is not None:
+                    self._changes.append((False, ns_id, hash_of[pid]))  # type: ignore[arg-type]
                 state[pid] = FREE
                 hash_of[pid] = None
         for ns_id, count in evicted.items():
@@ -725,6 +751,8 @@ class BlockStore:
         namespaces = self._namespaces
         for pid in victims:
             del namespaces[ns_of[pid]].index[hash_of[pid]]  # type: ignore[arg-type]
+        if self._changes is not None:
+            self._changes.extend((False, ns_of[pid], hash_of[pid]) for pid in victims)  # type: ignore[misc]
         n = len(victims)
         self._resident_blocks -= n
         self._sealed_bytes -= n * self._class_bytes[c]

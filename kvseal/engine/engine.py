@@ -618,6 +618,39 @@ class Engine:
                 )
             return out
 
+    # ---------------------------------------------------------------- what other nodes may learn
+
+    def track_blocks(self) -> None:
+        """Start recording which blocks become resident or stop being (for block_changes)."""
+        with self._lock:
+            self.store.track_changes()
+
+    def block_changes(self) -> dict[tuple[str, bytes], bool]:
+        """(namespace_final, hash) -> resident now (True) or not (False), for every change since the last call.
+        Only the engine's own user's blocks: other users' never leave the node."""
+        own = _tenant(os.getuid())
+        with self._lock:
+            changes = self.store.take_changes()
+            names = {
+                i: ns.namespace_final for i, (ns, _) in enumerate(self.store.namespace_stats()) if ns.tenant == own
+            }
+        out: dict[tuple[str, bytes], bool] = {}
+        for sealed, ns_id, block_hash in changes:
+            name = names.get(ns_id)
+            if name is not None:
+                out[(name, block_hash)] = sealed  # the last change of a block is what holds now
+        return out
+
+    def resident_blocks(self) -> dict[str, list[bytes]]:
+        """Every resident block of the engine's own user, per final namespace (a node announcing all it holds)."""
+        own = _tenant(os.getuid())
+        with self._lock:
+            return {
+                ns.namespace_final: self.store.sealed_hashes(i)
+                for i, (ns, _) in enumerate(self.store.namespace_stats())
+                if ns.tenant == own and ns.resident_blocks
+            }
+
     def statistics(self) -> EngineStatistics:
         with self._lock:
             return EngineStatistics(

@@ -30,6 +30,9 @@ class ServeConfig:
     ssd_capacity_bytes: int = 0  # per path
     ssd_segment_bytes: int = 256 << 20
     ssd_recovery: str = "scan"
+    metaserver: str = ""  # HOST:PORT of the MetaServer to announce this node's blocks to ('' = none)
+    node_id: str = ""  # this node's name there (default: the host name)
+    advertise: str = ""  # where peers reach this node (default: the gRPC address)
 
 
 class ConfigError(ValueError):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import socket
 import threading
 from concurrent import futures
 from pathlib import Path
@@ -75,6 +76,7 @@ class EngineServer:
         self._lane: LaneServer | None = None
         self._grpc_socket: tuple[str, int] | None = None  # (path, inode) of the unix socket gRPC bound
         self._stop = threading.Event()
+        self._announcer: Any = None
         self.port = 0
         self.lane_socket = ""
 
@@ -118,6 +120,17 @@ class EngineServer:
         )
         self._lane.start()
         self.service.lane_socket = self.lane_socket
+        if cfg.metaserver:
+            from kvseal.meta.announcer import Announcer
+
+            self._announcer = Announcer(
+                self.engine,
+                cfg.metaserver,
+                cfg.node_id or socket.gethostname(),
+                cfg.advertise or self.grpc_address,
+                token=cfg.token,
+            )
+            self._announcer.start()
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._health.set("kvseal.v1.Engine", health_pb2.HealthCheckResponse.SERVING)
         threading.Thread(target=self._tick, name="kvseal-tick", daemon=True).start()
@@ -174,6 +187,8 @@ class EngineServer:
         self._grpc.stop(grace).wait()
         if self._grpc_socket:  # gRPC removes its socket only if it got to serving
             _unlink_if_same(*self._grpc_socket)
+        if self._announcer is not None:
+            self._announcer.stop()  # the MetaServer stops offering this node's blocks
         if self._lane:
             self._lane.stop()
         if self._http:

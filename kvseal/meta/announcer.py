@@ -1,0 +1,165 @@
+"""The engine's side of the MetaServer: one thread that heartbeats, announces the blocks that became resident and
+withdraws those that went, in batches — never on a Save's or Load's path (it reads the engine's change log).
+
+When a heartbeat's answer starts a new session or carries a new epoch (the MetaServer restarted, or forgot this
+node), or an announce is refused for an unknown session, the node announces every resident block again (backfill),
+so discovery recovers without restarting engines. A MetaServer that does not answer costs a logged warning and a
+retry with backoff; changes pile up meanwhile (up to MAX_PENDING, past which the next contact backfills instead).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from kvseal.engine.engine import Engine
+from kvseal.proto import kvseal_pb2 as pb
+from kvseal.proto import kvseal_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvseal.meta")
+BATCH = 8192  # blocks per Announce / Withdraw
+MAX_PENDING = 1 << 20
+TICK_S = 0.05
+
+
+class Announcer:
+    def __init__(
+        self,
+        engine: Engine,
+        target: str,
+        node_id: str,
+        address: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self.engine = engine
+        self.node_id = node_id
+        self.address = address
+        self.session = os.urandom(8).hex()  # new at every start: what an earlier run announced is not ours
+        self.timeout_s = timeout_s
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._channel = grpc.insecure_channel(target)
+        self._stub = pb_grpc.MetaServerStub(self._channel)
+        self._target = target
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvseal-announce", daemon=True)
+        self._pending: dict[tuple[str, bytes], bool] = {}
+        self._epoch = ""
+        self._backfill = True
+        self._beat_every = 1.0
+        self._next_beat = 0.0
+        self._retry_at = 0.0
+        self._backoff = 0.5
+        self._down = False
+        self.announced = 0  # blocks announced since start (for tests and /metrics)
+        self.withdrawn = 0
+
+    def start(self) -> None:
+        self.engine.track_blocks()
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops, and tells the MetaServer this node is gone (its blocks are not offered to anyone any more)."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        try:
+            self._call("Unregister", pb.UnregisterNodeRequest(node_id=self.node_id, session=self.session))
+        except grpc.RpcError:
+            pass
+        self._channel.close()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def _call(self, method: str, request: object) -> Any:
+        return getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
+
+    def _run(self) -> None:
+        while not self._stop.wait(TICK_S):
+            changes = self.engine.block_changes()
+            if not self._backfill:
+                self._pending.update(changes)
+                if len(self._pending) > MAX_PENDING:
+                    self._pending.clear()
+                    self._backfill = True
+            now = time.monotonic()
+            if now < self._retry_at:
+                continue
+            try:
+                if now >= self._next_beat:
+                    self._heartbeat(now)
+                if self._backfill:
+                    self._pending.clear()
+                    self._announce_all()
+                    self._backfill = False
+                self._flush()
+                if self._down:
+                    log.warning("MetaServer %s is back", self._target)
+                    self._down = False
+                self._backoff = 0.5
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # it does not know our session: start over
+                    self._next_beat = 0.0
+                    self._backfill = True
+                    continue
+                if not self._down:
+                    log.warning("MetaServer %s unavailable (%s): retrying", self._target, e.code().name)
+                    self._down = True
+                self._retry_at = now + self._backoff
+                self._backoff = min(self._backoff * 2, 10.0)
+                self._next_beat = 0.0
+
+    def _heartbeat(self, now: float) -> None:
+        r = self._call(
+            "Heartbeat", pb.HeartbeatRequest(node_id=self.node_id, session=self.session, address=self.address)
+        )
+        if r.new_session or r.epoch != self._epoch:
+            if self._epoch:
+                log.info("MetaServer epoch %s (was %s): announcing every resident block again", r.epoch, self._epoch)
+            self._backfill = True
+        self._epoch = r.epoch
+        self._beat_every = max(r.stale_after_ms / 3000, 0.05)
+        self._next_beat = now + self._beat_every
+
+    def _announce_all(self) -> None:
+        for ns, hashes in self.engine.resident_blocks().items():
+            for i in range(0, len(hashes), BATCH):
+                self._send("Announce", [(ns, h) for h in hashes[i : i + BATCH]])
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        try:
+            for method, want in (("Withdraw", False), ("Announce", True)):
+                blocks = [b for b, resident in pending.items() if resident is want]
+                for i in range(0, len(blocks), BATCH):
+                    self._send(method, blocks[i : i + BATCH])
+        except grpc.RpcError:
+            pending.update(self._pending)
+            self._pending = pending  # resend it all: announcing twice is harmless
+            raise
+
+    def _send(self, method: str, blocks: list[tuple[str, bytes]]) -> None:
+        request = pb.BlocksRequest(node_id=self.node_id, session=self.session, blocks=list(_grouped(blocks)))
+        self._call(method, request)
+        if method == "Announce":
+            self.announced += len(blocks)
+        else:
+            self.withdrawn += len(blocks)
+
+
+def _grouped(blocks: list[tuple[str, bytes]]) -> Iterator[pb.NamespaceBlocks]:
+    by_ns: dict[str, list[bytes]] = {}
+    for ns, h in blocks:
+        by_ns.setdefault(ns, []).append(h)
+    for ns, hashes in by_ns.items():
+        yield pb.NamespaceBlocks(namespace_final=ns, block_hashes=hashes)
