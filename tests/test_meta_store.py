@@ -216,16 +216,8 @@ def test_unknown_session_announce_and_withdraw_return_minus_one_and_change_nothi
     assert [n.node_id for n in store.nodes(10.0)] == ["n1"]
 
 
-def test_a_block_twice_in_one_batch_counts_once(store: MetaStore, kind: str, request: pytest.FixtureRequest) -> None:
+def test_a_block_twice_in_one_batch_counts_once(store: MetaStore) -> None:
     """The count a batch returns is the change of the node's block count (nodes().blocks)."""
-    if kind == "memory":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="MemoryStore bug: announce/withdraw count a block named twice in one batch twice "
-                "(`new = [b for b in blocks if b not in node.blocks]` does not dedupe the batch)",
-            )
-        )
     join(store, "n1")
     assert store.announce("n1", "s1", blocks(0, 0, 1)) == 2
     assert store.nodes(10.0)[0].blocks == 2

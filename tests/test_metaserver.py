@@ -225,8 +225,21 @@ def test_two_replicas_on_one_redis_agree_and_one_killed_leaves_the_other(
     assert third.prefix([h(0), h(1), h(2)]) == {"a": 3, "b": 1}
 
 
-def test_an_unreachable_redis_is_unavailable_not_a_crash(meta: Callable[..., Meta]) -> None:
-    m = meta("--store", f"redis://127.0.0.1:{free_port()}/0")
+def test_redis_unreachable_at_start_or_later(meta: Callable[..., Meta], redis_url: str) -> None:
+    """Unreachable at start: one line and exit 1. Gone later: UNAVAILABLE naming the store, and the MetaServer
+    keeps running."""
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    r = subprocess.run(
+        [sys.executable, "-m", "kvseal", "metaserver", "--listen", f"127.0.0.1:{free_port()}", "--store", url],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1 and r.stderr.startswith("kvseal metaserver: error:") and r.stderr.count("\n") == 1
+    m = meta("--store", redis_url)
+    m.heartbeat("a")
+    subprocess.run(["redis-cli", "-u", redis_url, "shutdown", "nosave"], capture_output=True, timeout=30)
     with pytest.raises(grpc.RpcError) as e:
         m.heartbeat("a")
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "store is unreachable" in (e.value.details() or "")

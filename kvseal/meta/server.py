@@ -70,7 +70,7 @@ def _rpc(method: F) -> F:
         except KvsealError as e:
             code = e.status
             context.abort(getattr(grpc.StatusCode, e.status), str(e))
-        except ConnectionError as e:  # redis' errors derive from it: the store is down, not the request bad
+        except ConnectionError as e:  # RedisStore raises StoreUnavailable, one: the store is down, not the request
             code = "UNAVAILABLE"
             context.abort(grpc.StatusCode.UNAVAILABLE, f"the MetaServer's store is unreachable: {e}")
         except Exception as e:

@@ -9,7 +9,7 @@ The contract (tests/test_meta_store.py runs it against both):
   and return -1 (the node must heartbeat first: its session is unknown here, e.g. after a MetaServer restart).
 - `query_prefix(namespace_final, hashes, now)`: for every live node (not past its staleness) holding hashes[0],
   the count of leading hashes it holds contiguously, longest first. A node past its staleness is invisible at
-  once; `purge(now)` forgets nodes stale for longer than `forget_after_s` (and their blocks).
+  once; `purge(now, forget_after_s)` forgets nodes stale for forget_after_s or longer (and their blocks).
 - `unregister(node_id, session)` drops a node and its blocks at once.
 - `epoch`: changes when the store forgets everything (a MemoryStore's process restarted). Nodes that see a new
   epoch in a heartbeat's answer announce their resident blocks again (backfill).
@@ -100,7 +100,7 @@ class MemoryStore:
         node = self._current(node_id, session)
         if node is None:
             return -1
-        new = [b for b in blocks if b not in node.blocks]
+        new = [b for b in dict.fromkeys(blocks) if b not in node.blocks]  # a block twice in a batch counts once
         node.blocks.update(new)
         for b in new:
             self._holders.setdefault(b, set()).add(node_id)
@@ -110,7 +110,7 @@ class MemoryStore:
         node = self._current(node_id, session)
         if node is None:
             return -1
-        gone = [b for b in blocks if b in node.blocks]
+        gone = [b for b in dict.fromkeys(blocks) if b in node.blocks]
         node.blocks.difference_update(gone)
         for b in gone:
             self._forget_holder(b, node_id)
