@@ -254,6 +254,7 @@ def test_an_engine_announces_its_blocks_withdraws_purged_ones_and_backfills_a_re
     hashes = [f"m{i}".encode().ljust(32, b".") for i in range(8)]
     namespace = save_blocks(engine, "a", "llama", hashes)
     wait_until(lambda: m.prefix(hashes, ns=namespace) == {"node-a": 8}, 20, "node-a's blocks to be announced")
+    assert engine.metric("kvseal_meta_announced_total") == 8 and engine.metric("kvseal_meta_announce_backlog") == 0
 
     request = urllib.request.Request(f"{engine.http}/v1/namespaces/{namespace}", method="DELETE")
     with urllib.request.urlopen(request, timeout=10) as r:

@@ -4,6 +4,7 @@ observed as calls finish. Each server has its own registry, so several engines c
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -84,6 +85,19 @@ def _ssd_metrics(t: TierStatistics) -> Iterator[Metric]:
     yield failed
 
 
+class _AnnouncerCollector(Collector):
+    def __init__(self, announcer: Any) -> None:
+        self.announcer = announcer
+
+    def collect(self) -> Iterator[Metric]:
+        a = self.announcer
+        yield GaugeMetricFamily(
+            "kvseal_meta_announce_backlog", "Block changes not yet sent to the MetaServer", value=a.pending
+        )
+        yield CounterMetricFamily("kvseal_meta_announced", "Blocks announced to the MetaServer", value=a.announced)
+        yield CounterMetricFamily("kvseal_meta_withdrawn", "Blocks withdrawn at the MetaServer", value=a.withdrawn)
+
+
 class Metrics:
     def __init__(self, engine: Engine) -> None:
         self.registry = CollectorRegistry()
@@ -95,6 +109,10 @@ class Metrics:
             buckets=_RPC_BUCKETS,
             registry=self.registry,
         )
+
+    def watch_announcer(self, announcer: Any) -> None:
+        """Exports the MetaServer announcer's backlog and counts (kvseal.meta.announcer.Announcer)."""
+        self.registry.register(_AnnouncerCollector(announcer))
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         self._rpc.labels(method, code).observe(seconds)

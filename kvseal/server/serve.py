@@ -131,6 +131,7 @@ class EngineServer:
                 token=cfg.token,
             )
             self._announcer.start()
+            self.metrics.watch_announcer(self._announcer)
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._health.set("kvseal.v1.Engine", health_pb2.HealthCheckResponse.SERVING)
         threading.Thread(target=self._tick, name="kvseal-tick", daemon=True).start()
