@@ -269,3 +269,27 @@ def test_an_engine_announces_its_blocks_withdraws_purged_ones_and_backfills_a_re
     assert engine.stop() == []
     engine.expect_exit = True
     wait_until(lambda: again.prefix(hashes, ns=namespace) == {}, 20, "the stopped engine to unregister")
+
+
+def test_with_a_token_every_call_and_metrics_need_it_and_remote_needs_both(meta: Callable[..., Meta]) -> None:
+    m = meta("--token", "sesame")
+    with pytest.raises(grpc.RpcError) as e:
+        m.heartbeat("a")
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    beat = m.stub.Heartbeat(
+        pb.HeartbeatRequest(node_id="a", session="s1", address="127.0.0.1:7000"),
+        timeout=10,
+        metadata=(("authorization", "Bearer sesame"),),
+    )
+    assert beat.new_session
+    assert http_get(f"http://127.0.0.1:{m.http_port}/metrics")[0] == 401
+    assert http_get(f"http://127.0.0.1:{m.http_port}/metrics", token="sesame")[0] == 200
+    assert http_get(f"http://127.0.0.1:{m.http_port}/health")[0] == 200
+    r = subprocess.run(
+        [sys.executable, "-m", "kvseal", "metaserver", "--listen", f"0.0.0.0:{free_port()}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "not a loopback address" in r.stderr and r.stderr.count("\n") == 1
