@@ -236,12 +236,35 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     serve.add_argument("--node-id", default=None, help="this node's name at the MetaServer; default: the host name")
     serve.add_argument(
-        "--advertise", type=_grpc_address, default=None, help="where peers reach this node; default: --listen"
+        "--peer-listen",
+        type=_grpc_address,
+        default=None,
+        help="HOST:PORT where other nodes fetch this node's blocks (with --metaserver); default: 127.0.0.1, a free "
+        "port",
+    )
+    serve.add_argument(
+        "--advertise",
+        type=_grpc_address,
+        default=None,
+        help="HOST:PORT other nodes reach --peer-listen at, told to the MetaServer; default: --peer-listen",
+    )
+    serve.add_argument(
+        "--peer-transport",
+        choices=["tcp", "mooncake"],
+        default="tcp",
+        help="how pages move between nodes: the built-in TCP stream, or Mooncake Transfer Engine (RDMA where "
+        "there is RDMA; needs pip install 'kvseal[mooncake]' and libibverbs1); every node of a cluster uses one",
+    )
+    serve.add_argument(
+        "--peer-timeout",
+        type=_positive_seconds,
+        default=10.0,
+        help="seconds a fetch from another node may take, and a serving node keeps the pages pinned",
     )
     serve.add_argument("--log-level", type=str.upper, choices=_LOG_LEVELS, default="INFO", help="logging level")
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("what", choices=["engine", "ssd"])
+    bench.add_argument("what", choices=["engine", "ssd", "peer"])
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     bench.add_argument("--dir", default=None, help="ssd: the directory to measure (default: $TMPDIR)")
 
@@ -337,6 +360,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvseal import inventory
 
         return inventory.inspect_ssd(args.directory, args.verify, args.json)
+    if args.what == "peer":
+        from kvseal.bench import peer as bench_peer
+
+        return bench_peer.main(quick=args.quick)
     if args.what == "ssd":
         from kvseal.bench import ssd as bench_ssd
 
@@ -369,6 +396,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         metaserver=args.metaserver or "",
         node_id=args.node_id or "",
         advertise=args.advertise or "",
+        peer_listen=args.peer_listen or "",
+        peer_transport=args.peer_transport,
+        peer_timeout_s=args.peer_timeout,
     )
 
 

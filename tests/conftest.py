@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -28,6 +30,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvseal.client import EngineClient, layer_from_array
 from kvseal.errors import KvsealError
 from kvseal.memfd import SharedArray
+from kvseal.proto import kvseal_pb2 as pb
+from kvseal.proto import kvseal_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 60.0
@@ -299,3 +303,103 @@ def save_blocks(engine: EngineProcess, instance: str, namespace: str, hashes: Se
         assert client.save((instance, 0, 0), list(hashes), list(range(len(hashes)))).completed == len(hashes)
     shared.close()
     return status.namespace_final
+
+
+# ---------------------------------------------------------------- the MetaServer and its Redis
+
+NS = "llama.1a2b3c4d"
+
+
+class Meta:
+    """A `kvseal metaserver` subprocess and a stub to it."""
+
+    def __init__(self, workdir: Path, *extra: str, port: int | None = None) -> None:
+        self.port, self.http_port = port or free_port(), free_port()
+        self.log = workdir / f"meta-{self.port}.log"
+        argv = [sys.executable, "-m", "kvseal", "metaserver", "--listen", f"127.0.0.1:{self.port}"]
+        argv += ["--http-listen", f"127.0.0.1:{self.http_port}", *extra]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        wait_until(self._ready, 30, "the MetaServer to serve")
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = pb_grpc.MetaServerStub(self.channel)
+
+    def _ready(self) -> bool:
+        assert self.proc.poll() is None, self.log.read_text()
+        try:
+            return http_get(f"http://127.0.0.1:{self.http_port}/health", timeout=1)[0] == 200
+        except OSError:
+            return False
+
+    def heartbeat(self, node: str, session: str = "s1", address: str = "127.0.0.1:7000") -> pb.HeartbeatResponse:
+        return self.stub.Heartbeat(pb.HeartbeatRequest(node_id=node, session=session, address=address), timeout=10)
+
+    def announce(self, node: str, hashes: list[bytes], session: str = "s1", ns: str = NS) -> int:
+        blocks = [pb.NamespaceBlocks(namespace_final=ns, block_hashes=hashes)]
+        return self.stub.Announce(pb.BlocksRequest(node_id=node, session=session, blocks=blocks), timeout=10).changed
+
+    def withdraw(self, node: str, hashes: list[bytes], session: str = "s1") -> int:
+        blocks = [pb.NamespaceBlocks(namespace_final=NS, block_hashes=hashes)]
+        return self.stub.Withdraw(pb.BlocksRequest(node_id=node, session=session, blocks=blocks), timeout=10).changed
+
+    def prefix(self, hashes: list[bytes], ns: str = NS) -> dict[str, int]:
+        r = self.stub.QueryPrefix(pb.QueryPrefixRequest(namespace_final=ns, block_hashes=hashes), timeout=10)
+        return {n.node_id: n.prefix for n in r.nodes}
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=15)
+
+
+@pytest.fixture
+def meta(tmp_path: Path) -> Iterator[Callable[..., Meta]]:
+    """start(*extra_args, port=None) -> a serving Meta; every one is killed at teardown."""
+    started: list[Meta] = []
+
+    def start(*extra: str, port: int | None = None) -> Meta:
+        started.append(Meta(tmp_path, *extra, port=port))
+        return started[-1]
+
+    yield start
+    for m in started:
+        m.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    """A real redis-server (Debian's package) on a free port, data in tmp_path, killed at teardown."""
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is needed (scripts/test installs Debian's redis-server package)"
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    def answers() -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    wait_until(answers, 20, "redis-server to answer")
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.kill()
+    proc.wait()

@@ -4,86 +4,24 @@ two MetaServer replicas answer the same, and one killed leaves the other answeri
 
 from __future__ import annotations
 
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import grpc
 import pytest
-from conftest import REPO, EngineProcess, free_port, http_get, save_blocks, wait_until
+from conftest import NS, REPO, EngineProcess, Meta, free_port, http_get, save_blocks, wait_until
 
 from kvseal.proto import kvseal_pb2 as pb
-from kvseal.proto import kvseal_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.process
-NS = "llama.1a2b3c4d"
 
 
 def h(i: int) -> bytes:
     return i.to_bytes(32, "big")
-
-
-class Meta:
-    """A `kvseal metaserver` subprocess and a stub to it."""
-
-    def __init__(self, workdir: Path, *extra: str, port: int | None = None) -> None:
-        self.port, self.http_port = port or free_port(), free_port()
-        self.log = workdir / f"meta-{self.port}.log"
-        argv = [sys.executable, "-m", "kvseal", "metaserver", "--listen", f"127.0.0.1:{self.port}"]
-        argv += ["--http-listen", f"127.0.0.1:{self.http_port}", *extra]
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-        wait_until(self._ready, 30, "the MetaServer to serve")
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-        self.stub = pb_grpc.MetaServerStub(self.channel)
-
-    def _ready(self) -> bool:
-        assert self.proc.poll() is None, self.log.read_text()
-        try:
-            return http_get(f"http://127.0.0.1:{self.http_port}/health", timeout=1)[0] == 200
-        except OSError:
-            return False
-
-    def heartbeat(self, node: str, session: str = "s1", address: str = "127.0.0.1:7000") -> pb.HeartbeatResponse:
-        return self.stub.Heartbeat(pb.HeartbeatRequest(node_id=node, session=session, address=address), timeout=10)
-
-    def announce(self, node: str, hashes: list[bytes], session: str = "s1", ns: str = NS) -> int:
-        blocks = [pb.NamespaceBlocks(namespace_final=ns, block_hashes=hashes)]
-        return self.stub.Announce(pb.BlocksRequest(node_id=node, session=session, blocks=blocks), timeout=10).changed
-
-    def withdraw(self, node: str, hashes: list[bytes], session: str = "s1") -> int:
-        blocks = [pb.NamespaceBlocks(namespace_final=NS, block_hashes=hashes)]
-        return self.stub.Withdraw(pb.BlocksRequest(node_id=node, session=session, blocks=blocks), timeout=10).changed
-
-    def prefix(self, hashes: list[bytes], ns: str = NS) -> dict[str, int]:
-        r = self.stub.QueryPrefix(pb.QueryPrefixRequest(namespace_final=ns, block_hashes=hashes), timeout=10)
-        return {n.node_id: n.prefix for n in r.nodes}
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout=15)
-
-
-@pytest.fixture
-def meta(tmp_path: Path) -> Iterator[Callable[..., Meta]]:
-    """start(*extra_args, port=None) -> a serving Meta; every one is killed at teardown."""
-    started: list[Meta] = []
-
-    def start(*extra: str, port: int | None = None) -> Meta:
-        started.append(Meta(tmp_path, *extra, port=port))
-        return started[-1]
-
-    yield start
-    for m in started:
-        m.stop(signal.SIGKILL)
 
 
 def test_nodes_announce_and_the_longest_prefix_comes_first(meta: Callable[..., Meta]) -> None:
@@ -168,44 +106,6 @@ def test_bad_requests_are_refused_naming_the_field(meta: Callable[..., Meta]) ->
             call()
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in (e.value.details() or ""), field
     assert m.proc.poll() is None
-
-
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    """A real redis-server (Debian's package) on a free port, data in tmp_path, killed at teardown."""
-    binary = shutil.which("redis-server")
-    assert binary, "redis-server is needed (scripts/test installs Debian's redis-server package)"
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(tmp_path),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-
-    def answers() -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    wait_until(answers, 20, "redis-server to answer")
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.kill()
-    proc.wait()
 
 
 def test_two_replicas_on_one_redis_agree_and_one_killed_leaves_the_other(

@@ -191,6 +191,27 @@ def test_a_new_vllm_process_gets_its_hits_from_ssd_after_an_engine_restart(
     assert (ns["resident_blocks"], ns["ssd_blocks"], ns["refused"]) == (4, 4, {})
 
 
+def test_a_vllm_process_on_another_node_gets_its_hits_through_peer_fetch(
+    meta: Any, engine_factory: Any, models: dict[str, Path]
+) -> None:
+    """Two engines ("nodes" a and c) and one MetaServer: vLLM on node a computes and saves two prompts; a new vLLM
+    process on node c gets their blocks from a through peer fetch (c answers `loading` meanwhile), and its outputs
+    equal a run without the connector."""
+    m = meta()
+    a, c = (engine_factory("--metaserver", f"127.0.0.1:{m.port}", "--node-id", n) for n in "ac")
+    model = str(models["llama4"])
+    first, second = prompts(seed=7, n=2, length=300)
+    baseline = run_vllm({"model": model, "prompts": [first, second], "engine": None})["outputs"]
+    assert run_vllm({"model": model, "prompts": [first, second], "engine": a.target})["outputs"] == baseline
+    wait_until(lambda: a.metric("kvseal_meta_announced_total") == 4, 30, "node a's four full blocks announced")
+    warm = run_vllm({"model": model, "prompts": [first, second], "engine": c.target})
+    assert warm["outputs"] == baseline
+    assert warm["external_hits"] == 4 * BLOCK
+    assert c.metric("kvseal_peer_hits_total") == 4 and a.metric("kvseal_peer_served_blocks_total") == 4
+    [ns_a], [ns_c] = a.get_json("/v1/namespaces"), c.get_json("/v1/namespaces")
+    assert ns_c["namespace"] == ns_a["namespace"] and ns_c["resident_blocks"] == 4
+
+
 def test_load_only_worker_registers_again_after_engine_restart(
     engine_factory: Any, models: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -357,9 +357,18 @@ class BlockStore:
     # ---------------------------------------------------------------- query and leases
 
     def query(
-        self, ns_id: int, layout: Layout, hashes: Sequence[bytes], owner: str, shares: int, ttl_s: float | None = None
+        self,
+        ns_id: int,
+        layout: Layout,
+        hashes: Sequence[bytes],
+        owner: str,
+        shares: int,
+        ttl_s: float | None = None,
+        *,
+        count: bool = True,
     ) -> QueryResult:
-        """Counts the leading sealed hashes and pins them under a lease of `shares` loads (one per worker)."""
+        """Counts the leading sealed hashes and pins them under a lease of `shares` loads (one per worker).
+        `count`: whether the namespace's hits and misses count it (not for another node's fetch)."""
         self.expire()
         ns = self._namespaces[ns_id]
         ns.last_used = self._wall_clock()
@@ -368,8 +377,9 @@ class BlockStore:
             ns.refused["digest"] += 1
         else:
             pages = self._resident_prefix(ns_id, hashes)
-        ns.hits += len(pages)
-        ns.misses += len(hashes) - len(pages)
+        if count:
+            ns.hits += len(pages)
+            ns.misses += len(hashes) - len(pages)
         if not pages:
             return QueryResult(0, 0)
         lease_id = self._next_lease_id

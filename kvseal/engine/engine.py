@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvseal.core.layout import (
     InstanceRegistry,
@@ -45,6 +45,39 @@ from kvseal.ssd.tier import DiskTier, NamespaceKey, TierStatistics, WriteItem
 log = logging.getLogger("kvseal.engine")
 
 WorkerKey = tuple[str, int, int]  # (instance_id, tp_rank, pp_rank)
+PEER_RETRY_S = 2.0  # a prefix no peer could give is not asked for again before this
+
+
+class PeerSource(Protocol):
+    """Other nodes, as a query that misses sees them (kvseal.peer.client.PeerFetcher)."""
+
+    def lookup(self, namespace_final: str, hashes: list[bytes]) -> tuple[str, int] | None:
+        """(address, count): the peer holding the longest prefix of `hashes`, or None."""
+        ...
+
+    def fetch(
+        self,
+        address: str,
+        namespace_final: str,
+        layout: Layout,
+        hashes: list[bytes],
+        offsets: list[int],
+        destinations: list[memoryview],
+    ) -> int:
+        """Fills destinations (pool pages at arena `offsets`) with the peer's pages; returns how many leading
+        pages arrived whole and verified."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class PeerPin:
+    """Pages pinned for another node's fetch: their arena offsets and views, under `lease_id` (0: none held)."""
+
+    lease_id: int
+    offsets: list[int]
+    views: list[memoryview]
+    refusal: str = ""
+    message: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,11 +214,15 @@ class Engine:
         self.ssd = ssd
         self._refilling: set[int] = set()  # pages being read from SSD
         self._refills = ThreadPoolExecutor(2, thread_name_prefix="kvseal-refill") if ssd is not None else None
+        self._peers: PeerSource | None = None
+        self._fetches: ThreadPoolExecutor | None = None
+        self._peer_misses: dict[tuple[int, bytes], float] = {}  # (ns_id, first missing hash) -> ask again after
 
     def close(self) -> None:
         """Finishes SSD refills and writes (the tier seals its segments). The pool stays mapped."""
-        if self._refills is not None:
-            self._refills.shutdown(wait=True)
+        for pool in (self._refills, self._fetches):
+            if pool is not None:
+                pool.shutdown(wait=True)
         if self.ssd is not None:
             self.ssd.close()
 
@@ -336,7 +373,7 @@ class Engine:
                 sealed_pages = self.store.finish_save_pages(plan, ok)
                 completed = len(sealed_pages)
                 if self.ssd is not None and sealed_pages:
-                    self._write_through(inst, sealed_pages)
+                    self._write_through(inst.key, sealed.layout, sealed_pages)
                 self.counters.saves += 1
                 self.counters.save_bytes += len(plan.pages) * w.slot_bytes
                 self.counters.save_seconds += elapsed
@@ -404,11 +441,25 @@ class Engine:
             result = self.store.query(
                 inst.ns_id, sealed.layout, hashes, owner=instance_id, shares=len(inst.workers), ttl_s=ttl_s
             )
-            if self.ssd is not None and result.hits < len(hashes) and self._refilled(inst, hashes, result.hits):
+            found = QueryResult(result.hits, result.lease_id, int(ttl_s * 1000), sealed.namespace_final)
+            loading = QueryResult(0, 0, int(ttl_s * 1000), sealed.namespace_final, loading=True)
+            more = self._continuation(inst, hashes, result.hits) if result.hits < len(hashes) else ""
+            if more == "loading":
                 if result.lease_id:
                     self.store.release(result.lease_id, instance_id)
-                return QueryResult(0, 0, int(ttl_s * 1000), sealed.namespace_final, loading=True)
-            return QueryResult(result.hits, result.lease_id, int(ttl_s * 1000), sealed.namespace_final)
+                return loading
+        if more != "ask":
+            return found
+        source = self._peers
+        assert source is not None
+        offered = source.lookup(sealed.namespace_final, hashes[result.hits :])  # the MetaServer: not under the lock
+        with self._lock:
+            if offered is not None and self._start_peer_fetch(inst, hashes, result.hits, offered):
+                if result.lease_id:
+                    self.store.release(result.lease_id, instance_id)
+                return loading
+            self._peer_misses[(inst.ns_id, hashes[result.hits])] = time.monotonic() + PEER_RETRY_S
+        return found
 
     def release(self, instance_id: str, lease_id: int, peer: Peer) -> None:
         if lease_id <= 0:
@@ -419,65 +470,163 @@ class Engine:
 
     # ---------------------------------------------------------------- SSD tier
 
-    def _write_through(self, inst: _Instance, pages: list[int]) -> None:
+    def _write_through(self, key: NamespaceKey, layout: Layout, pages: list[int]) -> None:
         """Hands freshly sealed pages the SSD does not hold to its writers, pinned until written. Under the lock."""
-        assert self.ssd is not None and inst.sealed is not None
-        layout = inst.sealed.layout
+        assert self.ssd is not None
         hashes = [self.store.page_hash(pid) for pid in pages]
-        absent = self.ssd.absent(inst.key, hashes)
+        absent = self.ssd.absent(key, hashes)
         if not absent:
             return
         pages = [pages[i] for i in absent]
         self.store.pin_pages(pages)
-        arena, size = self.arena.bytes, layout.page_bytes
-        items = []
-        for i, pid in zip(absent, pages, strict=True):
-            at = self.store.page_offset(pid)
-            items.append(WriteItem(hashes[i], memoryview(arena[at : at + size])))
+        items = [WriteItem(hashes[i], self._page_view(pid, layout)) for i, pid in zip(absent, pages, strict=True)]
 
         def written(ok: bool) -> None:
             with self._lock:
                 self.store.unpin_pages(pages)
 
-        if not self.ssd.write(inst.key, layout, items, written):
+        if not self.ssd.write(key, layout, items, written):
             self.store.unpin_pages(pages)
 
-    def _refilled(self, inst: _Instance, hashes: list[bytes], start: int) -> bool:
-        """Whether the blocks from hashes[start] on are being read from SSD now (starting that read if the SSD has
-        them and the pool has room). Under the lock."""
-        assert self.ssd is not None and inst.sealed is not None
+    def _page_view(self, pid: int, layout: Layout) -> memoryview:
+        at = self.store.page_offset(pid)
+        return memoryview(self.arena.bytes[at : at + layout.page_bytes])
+
+    def _continuation(self, inst: _Instance, hashes: list[bytes], start: int) -> str:
+        """Where the blocks from hashes[start] on may come from: 'loading' (a refill from SSD or a peer is under way,
+        perhaps started now), 'ask' (ask the MetaServer which peer holds them) or '' (nowhere). Under the lock."""
+        assert inst.sealed is not None
         pid = self.store.page(inst.ns_id, hashes[start])
         if pid is not None:  # inflight: a refill under way, or a worker's save (not ours to wait for)
-            return pid in self._refilling
-        run = self.ssd.prefix(inst.key, hashes[start:])
-        if run == 0:
-            return False
+            return "loading" if pid in self._refilling else ""
+        if self.ssd is not None and self._refill_from_ssd(inst, hashes, start):
+            return "loading"
+        if self._peers is None or inst.key[0] != _tenant(os.getuid()):  # other users' blocks never leave the node
+            return ""
+        retry_at = self._peer_misses.get((inst.ns_id, hashes[start]))
+        if retry_at is not None:
+            if time.monotonic() < retry_at:
+                return ""
+            del self._peer_misses[(inst.ns_id, hashes[start])]
+        return "ask"
+
+    def _begin_refill(self, inst: _Instance, wanted: list[bytes]) -> SavePlan | None:
+        """Inflight pages for a refill of `wanted` (full cell mask), or None when the first cannot be had."""
+        assert inst.sealed is not None
         layout = inst.sealed.layout
-        wanted = hashes[start : start + run]
         plan = self.store.begin_save(inst.ns_id, layout, wanted, (1 << layout.num_slots) - 1)
         if not plan.pages or plan.positions[0] != 0:
             self.store.finish_save(plan, ok=False)
-            return False  # no room for the first block: serve what memory has
+            return None  # no room for the first block, or it came meanwhile: serve what memory has
         self._refilling.update(plan.pages)
+        return plan
+
+    def _finish_refill(
+        self, key: NamespaceKey, layout: Layout, plan: SavePlan, good: Sequence[bool], *, new: bool = False
+    ) -> None:
+        """Seals the refill's pages that passed every check, drops the others. `new`: the blocks came from
+        elsewhere than this node's SSD, which they are written through to."""
+        kept, dropped = self.store.split_plan(plan, good)
+        with self._lock:
+            sealed = self.store.finish_save_pages(kept, ok=True)
+            self.store.finish_save(dropped, ok=False)
+            self._refilling.difference_update(plan.pages)
+            if new and sealed and self.ssd is not None:
+                self._write_through(key, layout, sealed)
+
+    def _refill_from_ssd(self, inst: _Instance, hashes: list[bytes], start: int) -> bool:
+        """Starts reading the blocks from hashes[start] on from SSD if it has them and the pool has room."""
+        assert self.ssd is not None and inst.sealed is not None
+        run = self.ssd.prefix(inst.key, hashes[start:])
+        if run == 0:
+            return False
+        wanted = hashes[start : start + run]
+        plan = self._begin_refill(inst, wanted)
+        if plan is None:
+            return False
         assert self._refills is not None
-        self._refills.submit(self._refill, inst.key, layout, [wanted[k] for k in plan.positions], plan)
+        self._refills.submit(self._refill, inst.key, inst.sealed.layout, [wanted[k] for k in plan.positions], plan)
         return True
 
     def _refill(self, key: NamespaceKey, layout: Layout, hashes: list[bytes], plan: SavePlan) -> None:
         """Reads SSD records into a refill's inflight pages and seals those that passed every check."""
         assert self.ssd is not None
-        arena, size = self.arena.bytes, layout.page_bytes
-        destinations = [memoryview(arena[at : at + size]) for at in plan.offsets]
+        destinations = [memoryview(self.arena.bytes[at : at + layout.page_bytes]) for at in plan.offsets]
         try:
             results = self.ssd.read(key, layout, hashes, destinations)
         except Exception:
             log.exception("ssd refill failed")
             results = ["io"] * len(hashes)
-        good, bad = self.store.split_plan(plan, [r == "" for r in results])
+        self._finish_refill(key, layout, plan, [r == "" for r in results])
+
+    # ---------------------------------------------------------------- peers (other nodes)
+
+    def use_peers(self, source: PeerSource) -> None:
+        """Queries that miss ask `source` (the MetaServer and the peer fetch client) for the rest of the prefix."""
+        self._peers = source
+        self._fetches = ThreadPoolExecutor(4, thread_name_prefix="kvseal-fetch")
+
+    def _start_peer_fetch(self, inst: _Instance, hashes: list[bytes], start: int, offered: tuple[str, int]) -> bool:
+        """Starts fetching hashes[start : start + count] from the peer at `address`. Under the lock."""
+        address, count = offered
+        if inst.sealed is None or count <= 0:
+            return False
+        wanted = hashes[start : start + min(count, len(hashes) - start)]
+        plan = self._begin_refill(inst, wanted)
+        if plan is None:
+            return False
+        assert self._fetches is not None
+        hashes = [wanted[k] for k in plan.positions]
+        self._fetches.submit(self._fetch, inst.key, inst.sealed, address, hashes, plan)
+        return True
+
+    def _fetch(
+        self, key: NamespaceKey, sealed: SealedInstance, address: str, hashes: list[bytes], plan: SavePlan
+    ) -> None:
+        """Fetches a peer's pages into the refill's inflight pages; seals the leading pages that arrived whole and
+        verified, and writes them through to SSD. Any failure is a miss of the rest, never a partial page."""
+        assert self._peers is not None
+        layout = sealed.layout
+        destinations = [memoryview(self.arena.bytes[at : at + layout.page_bytes]) for at in plan.offsets]
+        try:
+            got = self._peers.fetch(address, sealed.namespace_final, layout, hashes, plan.offsets, destinations)
+        except Exception:
+            log.exception("peer fetch from %s failed", address)
+            got = 0
+        self._finish_refill(key, layout, plan, [i < got for i in range(len(hashes))], new=True)
+        if got < len(hashes):
+            with self._lock:
+                self._peer_misses[(plan.namespace_id, hashes[got])] = time.monotonic() + PEER_RETRY_S
+
+    def pin_for_peer(
+        self, namespace_final: str, digest: bytes, page_bytes: int, hashes: Sequence[bytes], owner: str, ttl_s: float
+    ) -> PeerPin:
+        """Pins the leading `hashes` this node holds for another node's fetch, under a lease of `owner` that expires
+        after `ttl_s`. Only the engine's own user's blocks are offered (the only ones announced). A layout digest
+        or page size other than this node's under the same final namespace is refused."""
+        hashes = _check_hashes(hashes)
         with self._lock:
-            self.store.finish_save(good, ok=True)
-            self.store.finish_save(bad, ok=False)
-            self._refilling.difference_update(plan.pages)
+            ns_id = self.store.namespace_id(_tenant(os.getuid()), namespace_final)
+            if ns_id is None:
+                return PeerPin(0, [], [])
+            layout = self.store.layout_of(ns_id)
+            if layout.digest != digest:
+                return PeerPin(0, [], [], "digest", f"{namespace_final} has layout digest {layout.digest.hex()} here")
+            if layout.page_bytes != page_bytes:
+                return PeerPin(0, [], [], "page_bytes", f"{namespace_final} has {layout.page_bytes}-byte pages here")
+            result = self.store.query(ns_id, layout, hashes, owner=owner, shares=1, ttl_s=ttl_s, count=False)
+            if not result.lease_id:
+                return PeerPin(0, [], [])
+            lease = self.store.lease(result.lease_id)
+            assert lease is not None
+            offsets = [self.store.page_offset(pid) for pid in lease.pages]
+            views = [self._page_view(pid, layout) for pid in lease.pages]
+            return PeerPin(result.lease_id, offsets, views)
+
+    def unpin_for_peer(self, lease_id: int, owner: str) -> None:
+        with self._lock:
+            if self.store.lease(lease_id) is not None:  # it may have expired meanwhile
+                self.store.release(lease_id, owner)
 
     def tick(self) -> None:
         """Expires leases and inflight pages even when no request comes (called periodically by the server)."""

@@ -172,6 +172,21 @@ class MetaService(pb_grpc.MetaServerServicer):
         _check_node(request.node_id, request.session)
         return pb.UnregisterNodeResponse(removed=self.store.unregister(request.node_id, request.session))
 
+    @_rpc
+    def ListNodes(self, request: pb.ListNodesRequest, context: grpc.ServicerContext) -> pb.ListNodesResponse:
+        now = self.clock()
+        return pb.ListNodesResponse(
+            nodes=[
+                pb.NodeStatus(
+                    node_id=n.node_id,
+                    address=n.address,
+                    expires_in_ms=max(0, int((n.expires - now) * 1000)),
+                    blocks=n.blocks,
+                )
+                for n in self.store.nodes(now)
+            ]
+        )
+
     def purge(self) -> None:
         with self.lock:
             forgotten = self.store.purge(self.clock(), self.cfg.forget_after_s)

@@ -229,6 +229,11 @@ class MetaServerStub:
                 request_serializer=kvseal_dot_proto_dot_kvseal__pb2.UnregisterNodeRequest.SerializeToString,
                 response_deserializer=kvseal_dot_proto_dot_kvseal__pb2.UnregisterNodeResponse.FromString,
                 _registered_method=True)
+        self.ListNodes = channel.unary_unary(
+                '/kvseal.v1.MetaServer/ListNodes',
+                request_serializer=kvseal_dot_proto_dot_kvseal__pb2.ListNodesRequest.SerializeToString,
+                response_deserializer=kvseal_dot_proto_dot_kvseal__pb2.ListNodesResponse.FromString,
+                _registered_method=True)
 
 
 class MetaServerServicer:
@@ -264,6 +269,12 @@ class MetaServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListNodes(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MetaServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -291,6 +302,11 @@ def add_MetaServerServicer_to_server(servicer, server):
                     servicer.Unregister,
                     request_deserializer=kvseal_dot_proto_dot_kvseal__pb2.UnregisterNodeRequest.FromString,
                     response_serializer=kvseal_dot_proto_dot_kvseal__pb2.UnregisterNodeResponse.SerializeToString,
+            ),
+            'ListNodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNodes,
+                    request_deserializer=kvseal_dot_proto_dot_kvseal__pb2.ListNodesRequest.FromString,
+                    response_serializer=kvseal_dot_proto_dot_kvseal__pb2.ListNodesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -428,6 +444,33 @@ class MetaServer:
             '/kvseal.v1.MetaServer/Unregister',
             kvseal_dot_proto_dot_kvseal__pb2.UnregisterNodeRequest.SerializeToString,
             kvseal_dot_proto_dot_kvseal__pb2.UnregisterNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvseal.v1.MetaServer/ListNodes',
+            kvseal_dot_proto_dot_kvseal__pb2.ListNodesRequest.SerializeToString,
+            kvseal_dot_proto_dot_kvseal__pb2.ListNodesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -32,7 +32,10 @@ class ServeConfig:
     ssd_recovery: str = "scan"
     metaserver: str = ""  # HOST:PORT of the MetaServer to announce this node's blocks to ('' = none)
     node_id: str = ""  # this node's name there (default: the host name)
-    advertise: str = ""  # where peers reach this node (default: the gRPC address)
+    advertise: str = ""  # where peers reach this node (default: the peer listen address)
+    peer_listen: str = ""  # HOST:PORT serving other nodes' fetches (default with a MetaServer: 127.0.0.1, any port)
+    peer_transport: str = "tcp"  # tcp | mooncake
+    peer_timeout_s: float = 10.0
 
 
 class ConfigError(ValueError):
@@ -85,9 +88,18 @@ def check_config(cfg: ServeConfig) -> None:
             "--lane-socket out (auto) or pass a path"
         )
     _check_ssd(cfg)
+    if (cfg.peer_listen or cfg.advertise or cfg.peer_transport != "tcp") and not cfg.metaserver:
+        raise ConfigError(
+            "argument --peer-listen/--advertise/--peer-transport: peers find this node through a MetaServer: pass "
+            "--metaserver HOST:PORT too"
+        )
     remote = [
         (flag, a)
-        for flag, a in (("--listen", cfg.listen), ("--http-listen", cfg.http_listen))
+        for flag, a in (
+            ("--listen", cfg.listen),
+            ("--http-listen", cfg.http_listen),
+            ("--peer-listen", cfg.peer_listen),
+        )
         if a and not is_loopback(a)
     ]
     if remote and not cfg.allow_remote:

@@ -1,4 +1,4 @@
-"""HTTP side of the engine: /health, /metrics (Prometheus), /v1/instances, /v1/namespaces (JSON), and
+"""HTTP side of the engine: /health, /metrics (Prometheus), /v1/instances, /v1/namespaces, /v1/peers (JSON), and
 DELETE /v1/namespaces/<namespace_final>[?uid=N], which purges a final namespace from memory and SSD.
 
 Who may ask: /health, anyone. Every other path: with a token, whoever sends it; without one, only a client whose
@@ -17,6 +17,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvseal.engine.engine import Engine
@@ -30,11 +31,21 @@ class HttpServer:
         server_class = _HttpServer6 if ":" in host else ThreadingHTTPServer
         self._server = server_class((host, port), handler)
         self._server.daemon_threads = True
+        self._server.peers = None  # type: ignore[attr-defined]
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="kvseal-http", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def peers(self) -> Any:
+        return self._server.peers  # type: ignore[attr-defined]
+
+    @peers.setter
+    def peers(self, fetcher: Any) -> None:
+        """The peer fetcher (kvseal.peer.client.PeerFetcher) that /v1/peers asks for the live nodes."""
+        self._server.peers = fetcher  # type: ignore[attr-defined]
 
     def stop(self) -> None:
         self._server.shutdown()
@@ -66,6 +77,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(self.engine.namespaces())
         elif path == "/v1/instances":
             self._json([dataclasses.asdict(s) for s in self.engine.instances()])
+        elif path == "/v1/peers":
+            self._peers()
         else:
             self._error(404, f"no such path {path!r}")
 
@@ -87,6 +100,18 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(404, f"no namespace {namespace!r} in memory or on SSD")
             return
         self._json(purged)
+
+    def _peers(self) -> None:
+        fetcher = self.server.peers  # type: ignore[attr-defined]
+        if fetcher is None:
+            self._error(404, "this engine has no MetaServer: start it with --metaserver HOST:PORT")
+            return
+        try:
+            nodes = fetcher.nodes()
+        except grpc.RpcError as e:
+            self._error(503, f"the MetaServer does not answer: {e.code().name}")
+            return
+        self._json({"node_id": fetcher.node_id, "nodes": nodes})
 
     def _allowed(self, path: str) -> bool:
         """Answers 401/403 and returns False when this client may not have `path`."""

@@ -85,17 +85,40 @@ def _ssd_metrics(t: TierStatistics) -> Iterator[Metric]:
     yield failed
 
 
-class _AnnouncerCollector(Collector):
-    def __init__(self, announcer: Any) -> None:
-        self.announcer = announcer
+class _PeersCollector(Collector):
+    """The MetaServer announcer (kvseal.meta.announcer), the peer server and the peer fetcher (kvseal.peer)."""
+
+    def __init__(self, announcer: Any, server: Any, fetcher: Any) -> None:
+        self.announcer, self.server, self.fetcher = announcer, server, fetcher
 
     def collect(self) -> Iterator[Metric]:
-        a = self.announcer
+        a, served, fetched = self.announcer, self.server.counters, self.fetcher.counters
         yield GaugeMetricFamily(
             "kvseal_meta_announce_backlog", "Block changes not yet sent to the MetaServer", value=a.pending
         )
         yield CounterMetricFamily("kvseal_meta_announced", "Blocks announced to the MetaServer", value=a.announced)
         yield CounterMetricFamily("kvseal_meta_withdrawn", "Blocks withdrawn at the MetaServer", value=a.withdrawn)
+        yield CounterMetricFamily("kvseal_peer_lookups", "Misses asked of the MetaServer", value=fetched.lookups)
+        yield CounterMetricFamily("kvseal_peer_hits", "Blocks fetched from peers and sealed here", value=fetched.blocks)
+        yield CounterMetricFamily("kvseal_peer_fetch_bytes", "Bytes fetched from peers", value=fetched.bytes)
+        yield CounterMetricFamily("kvseal_peer_fetch_seconds", "Seconds spent fetching", value=fetched.seconds)
+        yield CounterMetricFamily("kvseal_peer_served_blocks", "Blocks sent to peers", value=served.blocks)
+        yield CounterMetricFamily("kvseal_peer_served_bytes", "Bytes sent to peers", value=served.bytes)
+        yield CounterMetricFamily("kvseal_peer_served_seconds", "Seconds spent serving peers", value=served.seconds)
+        yield GaugeMetricFamily("kvseal_peer_connections", "Peer connections open now", value=served.connections)
+        refusals = CounterMetricFamily(
+            "kvseal_peer_refusals",
+            "Peer fetches refused, by side (fetch: refused to us or by us; serve: refused by us) and reason",
+            labels=["side", "reason"],
+        )
+        for side, counts in (("fetch", fetched.refusals), ("serve", served.refusals)):
+            for reason, n in sorted(counts.items()):
+                refusals.add_metric([side, reason], n)
+        yield refusals
+        failures = CounterMetricFamily("kvseal_peer_fetch_failures", "Fetches that failed, by why", labels=["reason"])
+        for reason, n in sorted(fetched.failures.items()):
+            failures.add_metric([reason], n)
+        yield failures
 
 
 class Metrics:
@@ -109,10 +132,20 @@ class Metrics:
             buckets=_RPC_BUCKETS,
             registry=self.registry,
         )
+        self._meta_rpc = Histogram(
+            "kvseal_metaserver_rpc_seconds",
+            "Latency of this engine's calls to the MetaServer",
+            ["method", "code"],
+            buckets=_RPC_BUCKETS,
+            registry=self.registry,
+        )
 
-    def watch_announcer(self, announcer: Any) -> None:
-        """Exports the MetaServer announcer's backlog and counts (kvseal.meta.announcer.Announcer)."""
-        self.registry.register(_AnnouncerCollector(announcer))
+    def watch_peers(self, announcer: Any, server: Any, fetcher: Any) -> None:
+        """Exports what this node tells the MetaServer and exchanges with other nodes."""
+        self.registry.register(_PeersCollector(announcer, server, fetcher))
+
+    def observe_meta_rpc(self, method: str, code: str, seconds: float) -> None:
+        self._meta_rpc.labels(method, code).observe(seconds)
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         self._rpc.labels(method, code).observe(seconds)

@@ -77,6 +77,9 @@ class EngineServer:
         self._grpc_socket: tuple[str, int] | None = None  # (path, inode) of the unix socket gRPC bound
         self._stop = threading.Event()
         self._announcer: Any = None
+        self._peer_server: Any = None
+        self._fetcher: Any = None
+        self._plane: Any = None
         self.port = 0
         self.lane_socket = ""
 
@@ -121,20 +124,50 @@ class EngineServer:
         self._lane.start()
         self.service.lane_socket = self.lane_socket
         if cfg.metaserver:
-            from kvseal.meta.announcer import Announcer
-
-            self._announcer = Announcer(
-                self.engine,
-                cfg.metaserver,
-                cfg.node_id or socket.gethostname(),
-                cfg.advertise or self.grpc_address,
-                token=cfg.token,
-            )
-            self._announcer.start()
-            self.metrics.watch_announcer(self._announcer)
+            self._start_peers()
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._health.set("kvseal.v1.Engine", health_pb2.HealthCheckResponse.SERVING)
         threading.Thread(target=self._tick, name="kvseal-tick", daemon=True).start()
+
+    def _start_peers(self) -> None:
+        """Serves this node's blocks to other nodes, fetches theirs on a miss, and tells the MetaServer what it
+        holds."""
+        from kvseal.meta.announcer import Announcer
+        from kvseal.peer.client import PeerFetcher
+        from kvseal.peer.server import PeerServer
+
+        cfg = self.cfg
+        node_id = cfg.node_id or socket.gethostname()
+        host, port = (cfg.peer_listen or "127.0.0.1:0").rsplit(":", 1)
+        self._plane = _open_plane(cfg.peer_transport, self.engine, host.strip("[]"))
+        try:
+            self._peer_server = PeerServer(
+                self.engine, host.strip("[]"), int(port), self._plane, token=cfg.token, timeout_s=cfg.peer_timeout_s
+            )
+        except OSError as e:
+            raise bind_failure(cfg.peer_listen or f"{host}:{port}", "--peer-listen", e) from None
+        self._peer_server.start()
+        self._fetcher = PeerFetcher(
+            cfg.metaserver,
+            node_id,
+            self._plane,
+            token=cfg.token,
+            timeout_s=cfg.peer_timeout_s,
+            on_meta_rpc=self.metrics.observe_meta_rpc,
+        )
+        self.engine.use_peers(self._fetcher)
+        self._announcer = Announcer(
+            self.engine, cfg.metaserver, node_id, cfg.advertise or self._peer_server.address, token=cfg.token
+        )
+        self._announcer.start()
+        self.metrics.watch_peers(self._announcer, self._peer_server, self._fetcher)
+        if self._http is not None:
+            self._http.peers = self._fetcher
+
+    @property
+    def peer_address(self) -> str:
+        """Where this node serves peer fetches ('' without a MetaServer)."""
+        return self._peer_server.address if self._peer_server is not None else ""
 
     def _bind_grpc(self, grpc_path: str | None) -> int:
         listen = self.cfg.listen
@@ -190,6 +223,10 @@ class EngineServer:
             _unlink_if_same(*self._grpc_socket)
         if self._announcer is not None:
             self._announcer.stop()  # the MetaServer stops offering this node's blocks
+        if self._peer_server is not None:
+            self._peer_server.stop()
+        if self._fetcher is not None:
+            self._fetcher.close()
         if self._lane:
             self._lane.stop()
         if self._http:
@@ -197,6 +234,8 @@ class EngineServer:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()  # after the lane: no save comes any more; the SSD writers drain and seal
+        if self._plane is not None:
+            self._plane.close()
 
 
 def _unlink_if_same(path: str, inode: int) -> None:
@@ -206,6 +245,25 @@ def _unlink_if_same(path: str, inode: int) -> None:
             os.unlink(path)
     except OSError:
         pass
+
+
+def _open_plane(transport: str, engine: Engine, host: str) -> Any:
+    """The data plane that moves pages between nodes (kvseal.peer)."""
+    if transport == "mooncake":
+        from kvseal.peer.mooncake import MooncakeDataPlane, MooncakeUnavailable
+
+        try:
+            plane = MooncakeDataPlane(engine.arena.bytes, host)
+        except MooncakeUnavailable as e:
+            raise StartError(f"--peer-transport mooncake: {e}") from None
+        log.warning(
+            "--peer-transport mooncake: Mooncake's TCP transport serves the registered pool to whoever connects to "
+            "its port, without the token: use it only where every host that can reach it is trusted"
+        )
+        return plane
+    from kvseal.peer.tcp import TcpDataPlane
+
+    return TcpDataPlane()
 
 
 def _open_ssd(cfg: ServeConfig) -> DiskTier | None:

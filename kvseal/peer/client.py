@@ -1,0 +1,282 @@
+"""The fetching side of peer fetch: which peer holds a prefix (the MetaServer's QueryPrefix), and pulling its pages
+straight into this node's pool pages.
+
+The fetcher checks the serving end as the server checks it: with a token, the server must prove it knows the token;
+without one, the server's socket must belong to this engine's user or root (so a local user who announced a forged
+address to a tokenless MetaServer cannot plant blocks), and only loopback peers are tried. Every page must arrive
+whole and match the XXH3-64 the server computed while it was pinned; the leading pages that do are sealed, the rest
+are a miss. A peer that refuses, stalls past the timeout or dies costs the fetch, never a partial page.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import xxhash
+
+from kvseal.core.layout import Layout
+from kvseal.peer import wire
+from kvseal.peer.tcp import recv_exact, recv_frame
+from kvseal.proto import kvseal_pb2 as pb
+from kvseal.proto import kvseal_pb2_grpc as pb_grpc
+from kvseal.server.peers import local_uid_allowed, tcp_peer_uid
+
+log = logging.getLogger("kvseal.peer")
+CHUNK_BYTES = 64 << 20  # pages pinned on the serving node per fetch frame
+MAX_IDLE = 4  # idle connections kept per peer
+
+
+class PeerRefused(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class FetchCounters:
+    blocks: int = 0  # pages fetched and verified (peer hits)
+    bytes: int = 0
+    seconds: float = 0.0
+    fetches: int = 0
+    lookups: int = 0
+    offered: int = 0  # lookups that found a peer with more of the prefix
+    refusals: Counter[str] = field(default_factory=Counter)  # by reason: the server's, or ours (checksum, auth)
+    failures: Counter[str] = field(default_factory=Counter)  # unreachable, closed, timeout, protocol, metaserver
+
+
+@dataclass(slots=True)
+class _Connection:
+    sock: socket.socket
+    offer: bytes
+
+
+class PeerFetcher:
+    """Implements kvseal.engine.engine.PeerSource for an engine whose node is `node_id` at the MetaServer."""
+
+    def __init__(
+        self,
+        metaserver: str,
+        node_id: str,
+        plane: Any,
+        *,
+        token: str | None = None,
+        timeout_s: float = 10.0,
+        meta_timeout_s: float = 1.0,
+        checksums: bool = True,
+        on_meta_rpc: Callable[[str, str, float], None] = lambda method, code, seconds: None,
+    ) -> None:
+        self.node_id = node_id
+        self.plane = plane
+        self.token = token
+        self.timeout_s = timeout_s
+        self.meta_timeout_s = meta_timeout_s
+        self.checksums = checksums
+        self.counters = FetchCounters()
+        self._on_meta_rpc = on_meta_rpc
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._channel = grpc.insecure_channel(metaserver)
+        self._meta = pb_grpc.MetaServerStub(self._channel)
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[_Connection]] = {}
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for c in conns:
+                c.sock.close()
+        self._channel.close()
+
+    # ---------------------------------------------------------------- the MetaServer
+
+    def _meta_call(self, method: str, request: Any) -> Any:
+        start = time.perf_counter()
+        code = "OK"
+        try:
+            return getattr(self._meta, method)(request, timeout=self.meta_timeout_s, metadata=self._metadata)
+        except grpc.RpcError as e:
+            code = e.code().name
+            raise
+        finally:
+            self._on_meta_rpc(method, code, time.perf_counter() - start)
+
+    def lookup(self, namespace_final: str, hashes: list[bytes]) -> tuple[str, int] | None:
+        """(address, count) of the live peer other than this node holding the longest prefix of `hashes`."""
+        self.counters.lookups += 1
+        try:
+            request = pb.QueryPrefixRequest(namespace_final=namespace_final, block_hashes=hashes)
+            r = self._meta_call("QueryPrefix", request)
+        except grpc.RpcError as e:
+            self.counters.failures["metaserver"] += 1
+            log.warning("MetaServer QueryPrefix failed (%s): a miss", e.code().name)
+            return None
+        for node in r.nodes:  # longest first
+            if node.node_id != self.node_id and node.prefix > 0:
+                self.counters.offered += 1
+                return node.address, node.prefix
+        return None
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """Live nodes as the MetaServer lists them (for /v1/peers); raises grpc.RpcError when it is unreachable."""
+        r = self._meta_call("ListNodes", pb.ListNodesRequest())
+        return [
+            {
+                "node_id": n.node_id,
+                "address": n.address,
+                "self": n.node_id == self.node_id,
+                "expires_in_ms": n.expires_in_ms,
+                "blocks": n.blocks,
+            }
+            for n in r.nodes
+        ]
+
+    # ---------------------------------------------------------------- fetching
+
+    def fetch(
+        self,
+        address: str,
+        namespace_final: str,
+        layout: Layout,
+        hashes: list[bytes],
+        offsets: list[int],
+        destinations: list[memoryview],
+    ) -> int:
+        start = time.perf_counter()
+        got = 0
+        conn = None
+        try:
+            conn = self._connection(address)
+            per_chunk = max(1, CHUNK_BYTES // layout.page_bytes)
+            while got < len(hashes):
+                n = self._fetch_chunk(conn, namespace_final, layout, hashes, offsets, destinations, got, per_chunk)
+                got += n
+                if n < min(per_chunk, len(hashes) - (got - n)):
+                    break  # the peer holds less than it announced (evicted since)
+            self._put_back(address, conn)
+            conn = None
+        except PeerRefused as e:
+            self.counters.refusals[e.reason] += 1
+            log.warning("peer %s refused a fetch of %s: %s", address, namespace_final, e)
+        except TimeoutError:
+            self.counters.failures["timeout"] += 1
+            log.warning("peer %s: fetch timed out after %.1f s", address, self.timeout_s)
+        except wire.ProtocolError as e:
+            self.counters.failures["protocol"] += 1
+            log.warning("peer %s: %s", address, e)
+        except OSError as e:  # ConnectionError included: refused, reset, closed mid-page
+            self.counters.failures["closed" if isinstance(e, ConnectionError) else "unreachable"] += 1
+            log.warning("peer %s: fetch failed: %s", address, e)
+        finally:
+            if conn is not None:
+                conn.sock.close()
+            c = self.counters
+            c.fetches += 1
+            c.blocks += got
+            c.bytes += got * layout.page_bytes
+            c.seconds += time.perf_counter() - start
+        return got
+
+    def _fetch_chunk(
+        self,
+        conn: _Connection,
+        namespace_final: str,
+        layout: Layout,
+        hashes: list[bytes],
+        offsets: list[int],
+        destinations: list[memoryview],
+        at: int,
+        count: int,
+    ) -> int:
+        """Fetches hashes[at : at + count]; returns how many leading pages arrived whole and verified."""
+        wanted = hashes[at : at + count]
+        request = wire.Fetch(
+            namespace_final, layout.digest, layout.page_bytes, int(self.timeout_s * 1000), self.checksums, wanted
+        )
+        conn.sock.sendall(wire.encode_fetch(request))
+        answer = wire.decode_answer(recv_frame(conn.sock, wire.MAX_ANSWER_BODY), len(wanted), self.checksums)
+        if isinstance(answer, tuple):
+            raise PeerRefused(*answer)
+        n = len(answer.offsets)
+        views = destinations[at : at + n]
+        if n:
+            if self.plane.pulls:
+                lengths = [layout.page_bytes] * n
+                self.plane.receive(conn.offer, answer.offsets, offsets[at : at + n], lengths, self.timeout_s)
+                conn.sock.sendall(b"\x01")  # DONE: the server unpins
+            else:
+                self.plane.receive_inline(conn.sock, views)
+        if answer.checksums is not None:
+            for i, (view, want) in enumerate(zip(views, answer.checksums, strict=True)):
+                if xxhash.xxh3_64_intdigest(view) != want:
+                    self.counters.refusals["checksum"] += 1
+                    log.warning("a page fetched for %s failed its checksum: dropped with what follows", namespace_final)
+                    return i
+        return n
+
+    def _put_back(self, address: str, conn: _Connection) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(address, [])
+            if len(idle) < MAX_IDLE:
+                idle.append(conn)
+                return
+        conn.sock.close()
+
+    def _connection(self, address: str) -> _Connection:
+        with self._lock:
+            idle = self._idle.get(address)
+            if idle:
+                return idle.pop()
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        if self.token is None and not _is_loopback(host):
+            raise PeerRefused("auth", f"{address} is not on loopback and this engine has no token to prove")
+        sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            offer = self._handshake(sock, host, int(port))
+        except BaseException:
+            sock.close()
+            raise
+        return _Connection(sock, offer)
+
+    def _handshake(self, sock: socket.socket, host: str, port: int) -> bytes:
+        nonce = os.urandom(wire.NONCE_BYTES)
+        sock.sendall(wire.encode_hello(self.plane.name, nonce, self.node_id))
+        code, server_nonce, server_proof, offer_len = wire.decode_welcome_fixed(recv_exact(sock, wire.WELCOME_FIXED))
+        offer = recv_exact(sock, offer_len)
+        message = recv_exact(sock, int.from_bytes(recv_exact(sock, 2), "little")).decode(errors="replace")
+        if code != wire.OK:
+            raise PeerRefused(wire.refusal_reason(code), message)
+        if self.token is None:
+            local_host, local_port = sock.getsockname()[:2]
+            uid = tcp_peer_uid(host, port, local_port, server_host=local_host)
+            if not local_uid_allowed(uid):
+                raise PeerRefused("auth", f"the process at {host}:{port} is not this engine's user (uid {uid})")
+        elif not wire.proofs_match(self.token, b"server", nonce, server_nonce, server_proof):
+            raise PeerRefused("auth", f"{host}:{port} does not know this engine's token")
+        client_proof = wire.proof(self.token, b"client", nonce, server_nonce) if self.token else bytes(32)
+        sock.sendall(client_proof)
+        ready = recv_exact(sock, 3)
+        message = recv_exact(sock, int.from_bytes(ready[1:3], "little")).decode(errors="replace")
+        if ready[0] != wire.OK:
+            raise PeerRefused(wire.refusal_reason(ready[0]), message)
+        return offer
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,276 @@
+"""Peer fetch between real engine processes and a real MetaServer on loopback: a block saved on node A is loaded
+byte-exact on node C; another layout under the same client namespace is never offered A's blocks; a forged digest
+is refused and counted on both sides; a serving node killed mid-transfer turns into a miss; the same with the
+MetaServer on a real redis-server."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import EngineProcess, Meta, wait_until
+
+from kvseal.client import EngineClient, layer_from_array
+from kvseal.memfd import SharedArray
+from kvseal.peer import wire
+from kvseal.peer.client import PeerFetcher
+from kvseal.peer.tcp import TcpDataPlane
+
+pytestmark = pytest.mark.process
+
+
+class Worker:
+    """One worker of one instance on an engine: `layers` layers of `block_bytes` each per block."""
+
+    def __init__(
+        self,
+        engine: EngineProcess,
+        instance: str,
+        *,
+        namespace: str = "llama",
+        num_blocks: int = 16,
+        layers: int = 2,
+        block_bytes: int = 16384,
+        block_size: int = 16,
+        dtype: str = "uint8",
+    ) -> None:
+        self.instance = instance
+        self.shared = SharedArray((layers, num_blocks, block_bytes))
+        self.client = EngineClient(engine.target, timeout=30, token=engine.token)
+        specs = [
+            layer_from_array(f"model.layers.{i}.attn", self.shared.array[i], self.shared, layout_tag="t", dtype=dtype)
+            for i in range(layers)
+        ]
+        status = self.client.register(
+            instance_id=instance,
+            namespace=namespace,
+            tp_rank=0,
+            tp_size=1,
+            pp_rank=0,
+            world_size=1,
+            block_size=block_size,
+            layers=specs,
+        )
+        self.namespace_final = status.namespace_final
+
+    def save(self, hashes: list[bytes], seed: int = 1) -> np.ndarray:
+        """Fills blocks 0..n-1 with random bytes and saves them; returns what was saved, per block."""
+        n = len(hashes)
+        self.shared.array[:, :n] = np.random.default_rng(seed).integers(0, 256, self.shared.array[:, :n].shape)
+        assert self.client.save((self.instance, 0, 0), hashes, list(range(n))).completed == n
+        return self.shared.array[:, :n].copy()
+
+    def query(self, hashes: list[bytes], timeout: float = 20.0) -> Any:
+        """Queries until the answer is not `loading` (a refill or peer fetch under way)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            r = self.client.query(self.instance, hashes, request_id="r1")
+            if not r.loading:
+                return r
+            assert time.monotonic() < deadline, "still loading"
+            time.sleep(0.01)
+
+    def load(self, hashes: list[bytes], lease_id: int) -> np.ndarray:
+        """Loads into blocks 0..n-1 (zeroed first) and returns their bytes."""
+        n = len(hashes)
+        self.shared.array[:, :n] = 0
+        r = self.client.load((self.instance, 0, 0), hashes, list(range(n)), lease_id)
+        assert r.outcome == 1 and r.loaded == n, r  # loaded
+        return self.shared.array[:, :n].copy()
+
+    def close(self) -> None:
+        self.client.close()
+        self.shared.close()
+
+
+@pytest.fixture
+def workers() -> Iterator[Callable[..., Worker]]:
+    made: list[Worker] = []
+
+    def make(engine: EngineProcess, instance: str, **kwargs: Any) -> Worker:
+        made.append(Worker(engine, instance, **kwargs))
+        return made[-1]
+
+    yield make
+    for w in made:
+        w.close()
+
+
+def hashes(n: int, tag: str = "p") -> list[bytes]:
+    return [f"{tag}{i}".encode().ljust(32, b".") for i in range(n)]
+
+
+def node(engine_factory: Callable[..., EngineProcess], meta: Meta, name: str, *extra: str) -> EngineProcess:
+    return engine_factory("--metaserver", f"127.0.0.1:{meta.port}", "--node-id", name, "--peer-timeout", "3", *extra)
+
+
+def announced(meta: Meta, namespace_final: str, hs: list[bytes]) -> dict[str, int]:
+    return meta.prefix(hs, ns=namespace_final)
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_a_block_saved_on_a_is_loaded_byte_exact_on_c_and_other_layouts_are_never_offered(
+    store: str,
+    meta: Callable[..., Meta],
+    engine_factory: Callable[..., EngineProcess],
+    workers: Callable[..., Worker],
+    request: pytest.FixtureRequest,
+) -> None:
+    m = meta("--store", request.getfixturevalue("redis_url")) if store == "redis" else meta()
+    a, b, c = (node(engine_factory, m, n) for n in "abc")
+    hs = hashes(8)
+    on_a = workers(a, "a1")
+    saved = on_a.save(hs)
+    wait_until(lambda: announced(m, on_a.namespace_final, hs) == {"a": 8}, 20, "A's blocks to be announced")
+
+    on_c = workers(c, "c1")
+    assert on_c.namespace_final == on_a.namespace_final
+    r = on_c.query(hs)
+    assert r.hits == 8
+    assert np.array_equal(on_c.load(hs, r.lease_id), saved)
+    assert c.metric("kvseal_peer_hits_total") == 8
+    assert a.metric("kvseal_peer_served_blocks_total") == 8
+    # fetched blocks are C's own now: announced by C too, and a second query is a local hit
+    wait_until(lambda: announced(m, on_a.namespace_final, hs) == {"a": 8, "c": 8}, 20, "C to announce them")
+    assert on_c.query(hs).hits == 8 and c.metric("kvseal_peer_hits_total") == 8
+
+    # B runs other layouts under the same client namespace: other final namespaces, nothing offered, nothing fetched
+    for i, variant in enumerate(
+        [{"layers": 3}, {"dtype": "float16"}, {"block_size": 32}, {"block_bytes": 8192, "dtype": "bfloat16"}]
+    ):
+        other = workers(b, f"b{i}", **variant)
+        assert other.namespace_final.split(".")[0] == "llama" and other.namespace_final != on_a.namespace_final
+        assert other.query(hs).hits == 0
+    assert b.metric("kvseal_peer_hits_total") == 0 and b.metric("kvseal_peer_lookups_total") == 4
+    assert a.metric("kvseal_peer_served_blocks_total") == 8
+
+    peers = b.get_json("/v1/peers")
+    assert peers["node_id"] == "b" and {n["node_id"] for n in peers["nodes"]} == {"a", "b", "c"}
+
+
+def test_a_forged_digest_is_refused_and_counted_on_both_sides(
+    meta: Callable[..., Meta], engine_factory: Callable[..., EngineProcess], workers: Callable[..., Worker]
+) -> None:
+    m = meta()
+    a = node(engine_factory, m, "a")
+    hs = hashes(4)
+    on_a = workers(a, "a1")
+    on_a.save(hs)
+    address = next(n["address"] for n in a.get_json("/v1/peers")["nodes"] if n["node_id"] == "a")
+    page_bytes = a.get_json("/v1/namespaces")[0]["page_bytes"]
+    forged = SimpleNamespace(digest=bytes(32), page_bytes=page_bytes)  # all of a layout that travels
+    fetcher = PeerFetcher(f"127.0.0.1:{m.port}", "forger", TcpDataPlane(), timeout_s=3)
+    try:
+        destinations = [memoryview(bytearray(page_bytes)) for _ in hs]
+        got = fetcher.fetch(address, on_a.namespace_final, forged, hs, [0] * len(hs), destinations)  # type: ignore
+    finally:
+        fetcher.close()
+    assert got == 0 and fetcher.counters.refusals == {"digest": 1}
+    assert not any(any(d) for d in destinations)
+    assert a.metric("kvseal_peer_refusals_total", side="serve", reason="digest") == 1
+    assert a.metric("kvseal_peer_served_blocks_total") == 0
+
+
+def test_a_serving_node_killed_mid_transfer_is_a_miss_and_disappears(
+    meta: Callable[..., Meta], engine_factory: Callable[..., EngineProcess], workers: Callable[..., Worker]
+) -> None:
+    """C finds A's blocks at a relay in front of A's peer port, which forwards 3 MiB of A's answer and then stops
+    (A is SIGKILLed, the relay hangs on to C's connection): C's fetch ends within its timeout, none of the blocks
+    becomes visible on C, and A leaves QueryPrefix after its staleness."""
+    m_a, m = meta("--stale-after", "2"), meta()
+    a = node(engine_factory, m_a, "a")
+    hs = hashes(8)
+    on_a = workers(a, "a1", block_bytes=1 << 20)  # 2 MiB pages
+    on_a.save(hs)
+    wait_until(lambda: announced(m_a, on_a.namespace_final, hs) == {"a": 8}, 20, "A's blocks to be announced")
+    address = next(n["address"] for n in a.get_json("/v1/peers")["nodes"] if n["node_id"] == "a")
+    relay = _Relay(address, stop_after=3 << 20, then=a.kill)
+    m.heartbeat("a", session="relayed", address=relay.address)
+    m.announce("a", hs, session="relayed", ns=on_a.namespace_final)
+    c = node(engine_factory, m, "c")
+    on_c = workers(c, "c1", block_bytes=1 << 20)
+    start = time.monotonic()
+    r = on_c.query(hs, timeout=15)
+    assert r.hits == 0 and time.monotonic() - start < 3 + 3  # --peer-timeout 3, and slack for a loaded machine
+    assert not a.alive()
+    assert c.metric("kvseal_peer_hits_total") == 0
+    assert c.metric("kvseal_peer_fetch_failures_total", reason="timeout") == 1
+    assert on_c.query(hs).hits == 0  # still nothing: no partial page ever became visible
+    assert c.get_json("/v1/namespaces")[0]["resident_blocks"] == 0
+    wait_until(lambda: announced(m_a, on_a.namespace_final, hs) == {}, 10, "the killed A to go stale")
+    relay.close()
+
+
+class _Relay:
+    """Accepts one connection and forwards it to `target`, passing `stop_after` bytes of the answers; then calls
+    `then()` and forwards nothing more while keeping the connection open (a peer that hangs)."""
+
+    def __init__(self, target: str, stop_after: int, then: Callable[[], None]) -> None:
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.stop_after = stop_after
+        self.then = then
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._sockets: list[socket.socket] = [self._listener]
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        client, _ = self._listener.accept()
+        server = socket.create_connection(self.target)
+        self._sockets += [client, server]
+        threading.Thread(target=self._upstream, args=(client, server), daemon=True).start()
+        sent = 0
+        while sent < self.stop_after and (data := server.recv(min(65536, self.stop_after - sent))):
+            client.sendall(data)
+            sent += len(data)
+        self.then()
+
+    @staticmethod
+    def _upstream(client: socket.socket, server: socket.socket) -> None:
+        try:
+            while data := client.recv(65536):
+                server.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        for s in self._sockets:
+            s.close()
+
+
+def test_the_handshake_needs_the_token_and_tokenless_needs_the_engine_user(
+    meta: Callable[..., Meta], engine_factory: Callable[..., EngineProcess]
+) -> None:
+    m = meta("--token", "sesame")
+    a = engine_factory(
+        "--metaserver", f"127.0.0.1:{m.port}", "--node-id", "a", "--token", "sesame", "--peer-timeout", "3"
+    )
+    address = next(n["address"] for n in a.get_json("/v1/peers")["nodes"] if n["node_id"] == "a")
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(wire.encode_hello("tcp", bytes(16), "intruder"))
+        code, nonce, proof, offer_len = wire.decode_welcome_fixed(_recv(s, wire.WELCOME_FIXED))
+        assert code == wire.OK
+        _recv(s, offer_len + 2)
+        s.sendall(bytes(32))  # a wrong proof
+        ready = _recv(s, 3)
+        assert wire.refusal_reason(ready[0]) == "auth"
+    wait_until(
+        lambda: a.metric("kvseal_peer_refusals_total", side="serve", reason="auth") == 1, 10, "the refusal counted"
+    )
+
+
+def _recv(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = s.recv(n - len(out))
+        assert chunk, "closed"
+        out += chunk
+    return out
