@@ -18,21 +18,22 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import xxhash
 
 from kvseal.core.layout import Layout
 from kvseal.peer import wire
-from kvseal.peer.tcp import recv_exact, recv_frame
+from kvseal.peer.tcp import checksums, recv_exact, recv_frame
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
 from kvseal.server.peers import local_uid_allowed, tcp_peer_uid
 
 log = logging.getLogger("kvseal.peer")
 CHUNK_BYTES = 64 << 20  # pages pinned on the serving node per fetch frame
+HASH_GROUP_BYTES = 8 << 20  # pages received before they are handed to the hashing thread
 MAX_IDLE = 4  # idle connections kept per peer
 
 
@@ -88,6 +89,7 @@ class PeerFetcher:
         self._meta = pb_grpc.MetaServerStub(self._channel)
         self._lock = threading.Lock()
         self._idle: dict[str, list[_Connection]] = {}
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvseal-fetch-hash")
 
     def close(self) -> None:
         with self._lock:
@@ -96,6 +98,7 @@ class PeerFetcher:
             for c in conns:
                 c.sock.close()
         self._channel.close()
+        self._hasher.shutdown(wait=False)
 
     # ---------------------------------------------------------------- the MetaServer
 
@@ -203,24 +206,34 @@ class PeerFetcher:
             namespace_final, layout.digest, layout.page_bytes, int(self.timeout_s * 1000), self.checksums, wanted
         )
         conn.sock.sendall(wire.encode_fetch(request))
-        answer = wire.decode_answer(recv_frame(conn.sock, wire.MAX_ANSWER_BODY), len(wanted), self.checksums)
+        answer = wire.decode_answer(recv_frame(conn.sock, wire.MAX_ANSWER_BODY), len(wanted))
         if isinstance(answer, tuple):
             raise PeerRefused(*answer)
-        n = len(answer.offsets)
+        n = len(answer)
+        if n == 0:
+            return 0
         views = destinations[at : at + n]
-        if n:
-            if self.plane.pulls:
-                lengths = [layout.page_bytes] * n
-                self.plane.receive(conn.offer, answer.offsets, offsets[at : at + n], lengths, self.timeout_s)
-                conn.sock.sendall(b"\x01")  # DONE: the server unpins
-            else:
-                self.plane.receive_inline(conn.sock, views)
-        if answer.checksums is not None:
-            for i, (view, want) in enumerate(zip(views, answer.checksums, strict=True)):
-                if xxhash.xxh3_64_intdigest(view) != want:
-                    self.counters.refusals["checksum"] += 1
-                    log.warning("a page fetched for %s failed its checksum: dropped with what follows", namespace_final)
-                    return i
+        hashing: list[Future[list[int]]] = []
+        if self.plane.pulls:
+            lengths = [layout.page_bytes] * n
+            self.plane.receive(conn.offer, answer, offsets[at : at + n], lengths, self.timeout_s)
+            if self.checksums:
+                hashing.append(self._hasher.submit(checksums, views))
+        else:  # received in groups, each hashed on another thread while the next one arrives
+            group = max(1, HASH_GROUP_BYTES // layout.page_bytes)
+            for i in range(0, n, group):
+                self.plane.receive_inline(conn.sock, views[i : i + group])
+                if self.checksums:
+                    hashing.append(self._hasher.submit(checksums, views[i : i + group]))
+        if self.checksums:
+            want = wire.decode_sums(recv_frame(conn.sock, 8 * n), n)
+            got = [s for f in hashing for s in f.result()]
+            if got != want:
+                self.counters.refusals["checksum"] += 1
+                log.warning("a page fetched for %s failed its checksum: dropped with what follows", namespace_final)
+                n = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+        if self.plane.pulls:
+            conn.sock.sendall(b"\x01")  # DONE: the server unpins
         return n
 
     def _put_back(self, address: str, conn: _Connection) -> None:

@@ -8,7 +8,8 @@ A fetch names namespace_final and the full layout digest: a digest or page size 
 namespace is refused (counted by reason). What is sent is pinned under a lease that expires after the fetch's
 timeout (capped by --peer-timeout), and unpinned as soon as it is sent (tcp) or the fetcher says DONE (pull planes):
 a fetcher that stalls or dies costs a lease until its timeout, never a leaked pin. Every page goes with its XXH3-64,
-computed while pinned, so the fetcher can refuse a page that changed or arrived damaged.
+computed while pinned (on another thread, while the pages are sent), so the fetcher can refuse a page that changed
+or arrived damaged.
 """
 
 from __future__ import annotations
@@ -19,15 +20,14 @@ import socket
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
-
-import xxhash
 
 from kvseal.engine.engine import Engine
 from kvseal.errors import InvalidArgument
 from kvseal.peer import wire
-from kvseal.peer.tcp import recv_exact, recv_frame
+from kvseal.peer.tcp import checksums, recv_exact, recv_frame
 from kvseal.server.peers import local_uid_allowed, tcp_peer_uid
 
 log = logging.getLogger("kvseal.peer")
@@ -75,6 +75,7 @@ class PeerServer:
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
         self._next_id = 0
+        self._hasher = ThreadPoolExecutor(2, thread_name_prefix="kvseal-peer-hash")
 
     @property
     def address(self) -> str:
@@ -96,6 +97,7 @@ class PeerServer:
                     conn.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+        self._hasher.shutdown(wait=False)
 
     def _accept(self) -> None:
         while not self._stop.is_set():
@@ -190,14 +192,16 @@ class PeerServer:
             conn.sendall(wire.encode_refusal(pin.refusal, pin.message))
             return True
         try:
-            sums = [xxhash.xxh3_64_intdigest(v) for v in pin.views] if f.checksums else None
-            conn.sendall(wire.encode_answer(pin.offsets, sums))
+            conn.sendall(wire.encode_answer(pin.offsets))
             if pin.views:
                 conn.settimeout(ttl_s)
+                sums = self._hasher.submit(checksums, pin.views) if f.checksums else None  # while the bytes move
+                if not self.plane.pulls:
+                    self.plane.send(conn, pin.views)
+                if sums is not None:
+                    conn.sendall(wire.encode_sums(sums.result()))
                 if self.plane.pulls:
                     recv_exact(conn, 1)  # DONE: the fetcher has read the pages
-                else:
-                    self.plane.send(conn, pin.views)
                 conn.settimeout(IDLE_TIMEOUT_S)
         finally:
             if pin.lease_id:

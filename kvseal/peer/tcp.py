@@ -7,6 +7,8 @@ from __future__ import annotations
 import socket
 from collections.abc import Sequence
 
+import xxhash
+
 from kvseal.peer.wire import ProtocolError
 
 IOV_MAX = 1024  # buffers one sendmsg / recvmsg_into takes (Linux's UIO_MAXIOV)
@@ -63,6 +65,12 @@ def recv_all_into(sock: socket.socket, views: Sequence[memoryview]) -> None:
             else:
                 pending[i] = pending[i][got:]
                 got = 0
+
+
+def checksums(views: Sequence[memoryview]) -> list[int]:
+    """XXH3-64 of each page (xxhash holds the GIL while it hashes, but a thread blocked in a socket call does not:
+    hashing on one thread while another sends or receives overlaps the two)."""
+    return [xxhash.xxh3_64_intdigest(v) for v in views]
 
 
 class TcpDataPlane:

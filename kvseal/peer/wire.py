@@ -16,9 +16,12 @@ A connection starts with a handshake that authenticates both ends, then carries 
     client -> FETCH    u32 body_len | body: u16 len | namespace_final | 32 B layout digest | u32 page_bytes
                        | u32 timeout_ms | u8 checksums | u32 n | u8 hash_len | n x hash_len bytes
     server -> ANSWER   u32 body_len | u8 code | body
-      code OK:         u32 count | count x u64 remote offset | (checksums) count x u64 XXH3-64 of each page
-                       then, on the tcp plane, count x page_bytes of page bytes
+      code OK:         u32 count | count x u64 remote offset
                        (count: the leading hashes the server holds and has pinned, 0..n)
+                       then, on the tcp plane, count x page_bytes of page bytes
+                       then, when checksums were asked for and count > 0:
+                       SUMS  u32 body_len | count x u64 XXH3-64 of each page, computed while pinned (the server
+                             hashes while it sends, the fetcher while it receives)
       code REFUSED:    u16 len | reason | u16 len | message        (reasons: REFUSALS)
     client -> DONE     u8 1    (pull planes only, after reading: the server unpins)
 
@@ -46,7 +49,7 @@ MAX_NAME = 1024
 MAX_OFFER = 4096
 MAX_MESSAGE = 4096
 MAX_FETCH_BODY = 2 + 0xFFFF + DIGEST_BYTES + 13 + 1 + MAX_BLOCKS_PER_REQUEST * MAX_HASH_BYTES
-MAX_ANSWER_BODY = 4 + MAX_BLOCKS_PER_REQUEST * 16
+MAX_ANSWER_BODY = 5 + MAX_BLOCKS_PER_REQUEST * 8
 
 _HELLO = struct.Struct(f"<4sBB{NONCE_BYTES}sH")
 _WELCOME = struct.Struct(f"<4sB{NONCE_BYTES}s{PROOF_BYTES}sH")
@@ -198,18 +201,10 @@ def decode_fetch(body: bytes | memoryview) -> Fetch:
     return Fetch(namespace_final, digest, page_bytes, timeout_ms, bool(checksums), hashes)
 
 
-@dataclass(frozen=True, slots=True)
-class Answer:
-    offsets: list[int]  # where each page is in the server's arena (pull planes read there)
-    checksums: list[int] | None
-
-
-def encode_answer(offsets: list[int], checksums: list[int] | None) -> bytes:
+def encode_answer(offsets: list[int]) -> bytes:
     n = len(offsets)
-    body = _U32.pack(n) + struct.pack(f"<{n}Q", *offsets)
-    if checksums is not None:
-        body += struct.pack(f"<{n}Q", *checksums)
-    return _U32.pack(len(body) + 1) + _U8.pack(OK) + body
+    body = _U8.pack(OK) + _U32.pack(n) + struct.pack(f"<{n}Q", *offsets)
+    return _U32.pack(len(body)) + body
 
 
 def encode_refusal(reason: str, message: str) -> bytes:
@@ -218,8 +213,8 @@ def encode_refusal(reason: str, message: str) -> bytes:
     return _U32.pack(len(body)) + body
 
 
-def decode_answer(body: bytes, requested: int, checksums: bool) -> Answer | tuple[str, str]:
-    """An Answer, or (reason, message) of a refusal."""
+def decode_answer(body: bytes, requested: int) -> list[int] | tuple[str, str]:
+    """The pinned pages' offsets, or (reason, message) of a refusal."""
     view = memoryview(body)
     if not view:
         raise ProtocolError("answer: empty frame")
@@ -232,9 +227,16 @@ def decode_answer(body: bytes, requested: int, checksums: bool) -> Answer | tupl
     (n,) = _U32.unpack_from(view, 1)
     if n > requested:
         raise ProtocolError(f"answer: {n} pages for {requested} hashes asked")
-    want = 5 + 8 * n * (2 if checksums else 1)
-    if len(view) != want:
-        raise ProtocolError(f"answer: {len(view)} bytes, {want} expected for {n} pages")
-    offsets = list(struct.unpack_from(f"<{n}Q", view, 5))
-    sums = list(struct.unpack_from(f"<{n}Q", view, 5 + 8 * n)) if checksums else None
-    return Answer(offsets, sums)
+    if len(view) != 5 + 8 * n:
+        raise ProtocolError(f"answer: {len(view)} bytes, {5 + 8 * n} expected for {n} pages")
+    return list(struct.unpack_from(f"<{n}Q", view, 5))
+
+
+def encode_sums(sums: list[int]) -> bytes:
+    return _U32.pack(8 * len(sums)) + struct.pack(f"<{len(sums)}Q", *sums)
+
+
+def decode_sums(body: bytes, count: int) -> list[int]:
+    if len(body) != 8 * count:
+        raise ProtocolError(f"checksums: {len(body)} bytes for {count} pages")
+    return list(struct.unpack(f"<{count}Q", body))
