@@ -208,6 +208,16 @@ def test_usage_errors_of_a_first_hour_say_what_to_do() -> None:
             "--pool-size",
         ),
         (
+            ["--peer-listen", f"127.0.0.1:{port}"],
+            "argument --peer-listen/--advertise/--peer-transport: peers find this node through a MetaServer: pass "
+            "--metaserver HOST:PORT too",
+        ),
+        (
+            ["--metaserver", "127.0.0.1:1", "--peer-listen", f"0.0.0.0:{port}"],
+            f"argument --peer-listen: '0.0.0.0:{port}' is not a loopback address, and the engine listens on loopback "
+            f"only: pass 127.0.0.1:{port} (for other machines to reach it, add --allow-remote and --token)",
+        ),
+        (
             ["--lane-socket", ""],
             "argument --lane-socket: the lane cannot be off, workers register, save and load over it: leave "
             "--lane-socket out (auto) or pass a path",
@@ -250,6 +260,16 @@ def _refused(*extra: str) -> str:
     line = _one_error_line(r)
     assert r.returncode == 1, line
     return line
+
+
+def test_peer_port_in_use_is_named_before_the_pool_is_allocated() -> None:
+    with _listener() as taken:
+        port = taken.getsockname()[1]
+        line = _refused("--metaserver", "127.0.0.1:1", "--peer-listen", f"127.0.0.1:{port}")
+    assert line == (
+        f"kvseal serve: error: cannot listen on '127.0.0.1:{port}' (--peer-listen): the address is in use: stop what "
+        "listens there or pass another --peer-listen"
+    )
 
 
 def test_grpc_port_in_use_is_named_before_the_pool_is_allocated() -> None:

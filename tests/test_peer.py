@@ -5,6 +5,7 @@ MetaServer on a real redis-server."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -14,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import EngineProcess, Meta, wait_until
+from conftest import EngineProcess, Meta, free_port, wait_until
 
 from kvseal.client import EngineClient, layer_from_array
 from kvseal.memfd import SharedArray
@@ -274,3 +275,17 @@ def _recv(s: socket.socket, n: int) -> bytes:
         assert chunk, "closed"
         out += chunk
     return out
+
+
+def test_v1_peers_says_when_there_is_no_metaserver_or_it_does_not_answer(
+    engine_factory: Callable[..., EngineProcess],
+) -> None:
+    alone = engine_factory()
+    code, body = alone.get("/v1/peers")
+    assert (code, json.loads(body)["error"]) == (
+        404,
+        "this engine has no MetaServer: start it with --metaserver HOST:PORT",
+    )
+    orphan = engine_factory("--metaserver", f"127.0.0.1:{free_port()}")
+    code, body = orphan.get("/v1/peers")
+    assert (code, json.loads(body)["error"]) == (503, "the MetaServer does not answer: UNAVAILABLE")

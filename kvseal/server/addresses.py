@@ -38,7 +38,8 @@ def lane_socket_path(cfg: ServeConfig, grpc_port: int) -> str:
 
 
 def check_addresses(cfg: ServeConfig) -> None:
-    """Raises StartError when an address of `cfg` cannot be listened on now: gRPC's, HTTP's, and the lane's unless
+    """Raises StartError when an address of `cfg` cannot be listened on now: gRPC's, HTTP's, peer fetch's, and the
+    lane's unless
     it is named after a gRPC port 0 not bound yet."""
     grpc_path = unix_path(cfg.listen)
     if grpc_path is None:
@@ -47,6 +48,8 @@ def check_addresses(cfg: ServeConfig) -> None:
         check_unix(cfg.listen, grpc_path, "--listen")
     if cfg.http_listen:
         check_tcp(cfg.http_listen, "--http-listen")
+    if cfg.peer_listen:
+        check_tcp(cfg.peer_listen, "--peer-listen")
     port = 0 if grpc_path else int(cfg.listen.rsplit(":", 1)[1])
     if grpc_path or cfg.lane_socket != "auto" or port:
         lane = lane_socket_path(cfg, port)
