@@ -35,6 +35,7 @@ log = logging.getLogger("kvseal.peer")
 CHUNK_BYTES = 64 << 20  # pages pinned on the serving node per fetch frame
 HASH_GROUP_BYTES = 8 << 20  # pages received before they are handed to the hashing thread
 MAX_IDLE = 4  # idle connections kept per peer
+META_RETRY_S = 2.0  # after a failed lookup, queries do not ask the MetaServer for this long
 
 
 class PeerRefused(Exception):
@@ -72,7 +73,7 @@ class PeerFetcher:
         *,
         token: str | None = None,
         timeout_s: float = 10.0,
-        meta_timeout_s: float = 1.0,
+        meta_timeout_s: float = 0.25,
         checksums: bool = True,
         on_meta_rpc: Callable[[str, str, float], None] = lambda method, code, seconds: None,
     ) -> None:
@@ -89,6 +90,7 @@ class PeerFetcher:
         self._meta = pb_grpc.MetaServerStub(self._channel)
         self._lock = threading.Lock()
         self._idle: dict[str, list[_Connection]] = {}
+        self._meta_down_until = 0.0
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvseal-fetch-hash")
 
     def close(self) -> None:
@@ -115,13 +117,16 @@ class PeerFetcher:
 
     def lookup(self, namespace_final: str, hashes: list[bytes]) -> tuple[str, int] | None:
         """(address, count) of the live peer other than this node holding the longest prefix of `hashes`."""
+        if time.monotonic() < self._meta_down_until:
+            return None  # it failed moments ago: a miss now beats a stalled query
         self.counters.lookups += 1
         try:
             request = pb.QueryPrefixRequest(namespace_final=namespace_final, block_hashes=hashes)
             r = self._meta_call("QueryPrefix", request)
         except grpc.RpcError as e:
             self.counters.failures["metaserver"] += 1
-            log.warning("MetaServer QueryPrefix failed (%s): a miss", e.code().name)
+            self._meta_down_until = time.monotonic() + META_RETRY_S
+            log.warning("MetaServer QueryPrefix failed (%s): misses for %.0f s", e.code().name, META_RETRY_S)
             return None
         for node in r.nodes:  # longest first
             if node.node_id != self.node_id and node.prefix > 0:
