@@ -278,7 +278,7 @@ def _recv(s: socket.socket, n: int) -> bytes:
 
 
 def test_v1_peers_says_when_there_is_no_metaserver_or_it_does_not_answer(
-    engine_factory: Callable[..., EngineProcess],
+    engine_factory: Callable[..., EngineProcess], workers: Callable[..., Worker]
 ) -> None:
     alone = engine_factory()
     code, body = alone.get("/v1/peers")
@@ -289,3 +289,8 @@ def test_v1_peers_says_when_there_is_no_metaserver_or_it_does_not_answer(
     orphan = engine_factory("--metaserver", f"127.0.0.1:{free_port()}")
     code, body = orphan.get("/v1/peers")
     assert (code, json.loads(body)["error"]) == (503, "the MetaServer does not answer: UNAVAILABLE")
+    # a MetaServer that does not answer costs one failed lookup, then misses without asking for a while
+    worker = workers(orphan, "o1")
+    assert worker.query(hashes(2)).hits == 0 and worker.query(hashes(2, "q")).hits == 0
+    assert orphan.metric("kvseal_peer_lookups_total") == 1
+    assert orphan.metric("kvseal_peer_fetch_failures_total", reason="metaserver") == 1
