@@ -218,6 +218,17 @@ def test_usage_errors_of_a_first_hour_say_what_to_do() -> None:
             f"only: pass 127.0.0.1:{port} (for other machines to reach it, add --allow-remote and --token)",
         ),
         (
+            ["--metaserver", "127.0.0.1:1", "--peer-listen", f"0.0.0.0:{port}", "--allow-remote", "--token", "t"],
+            f"argument --peer-listen: other nodes cannot reach '0.0.0.0:{port}', a wildcard address: pass "
+            "--advertise HOST:PORT too, the address they reach this node at",
+        ),
+        (
+            ["--metaserver", "127.0.0.1:1", "--peer-transport", "mooncake"],
+            "argument --peer-transport: Mooncake's transport listens on every interface of this machine and lets "
+            "whoever reaches its ports read and write the pool, without the token: pass --allow-remote to accept "
+            "that (only where every host that can reach this one is trusted), or use --peer-transport tcp",
+        ),
+        (
             ["--lane-socket", ""],
             "argument --lane-socket: the lane cannot be off, workers register, save and load over it: leave "
             "--lane-socket out (auto) or pass a path",

@@ -1,7 +1,8 @@
 """Peer fetch between real engine processes and a real MetaServer on loopback: a block saved on node A is loaded
 byte-exact on node C; another layout under the same client namespace is never offered A's blocks; a forged digest
 is refused and counted on both sides; a serving node killed mid-transfer turns into a miss; the same with the
-MetaServer on a real redis-server."""
+MetaServer on a real redis-server; and both data planes (built-in TCP, Mooncake Transfer Engine) pass one
+conformance test."""
 
 from __future__ import annotations
 
@@ -169,7 +170,7 @@ def test_a_forged_digest_is_refused_and_counted_on_both_sides(
     fetcher = PeerFetcher(f"127.0.0.1:{m.port}", "forger", TcpDataPlane(), timeout_s=3)
     try:
         destinations = [memoryview(bytearray(page_bytes)) for _ in hs]
-        got = fetcher.fetch(address, on_a.namespace_final, forged, hs, [0] * len(hs), destinations)  # type: ignore
+        got, _ = fetcher.fetch(address, on_a.namespace_final, forged, hs, [0] * len(hs), destinations)  # type: ignore
     finally:
         fetcher.close()
     assert got == 0 and fetcher.counters.refusals == {"digest": 1}
@@ -294,3 +295,92 @@ def test_v1_peers_says_when_there_is_no_metaserver_or_it_does_not_answer(
     assert worker.query(hashes(2)).hits == 0 and worker.query(hashes(2, "q")).hits == 0
     assert orphan.metric("kvseal_peer_lookups_total") == 1
     assert orphan.metric("kvseal_peer_fetch_failures_total", reason="metaserver") == 1
+
+
+def _plane_flags(plane: str) -> tuple[str, ...]:
+    # Mooncake listens on every interface without authentication: the engine wants that accepted explicitly
+    return ("--peer-transport", "mooncake", "--allow-remote") if plane == "mooncake" else ()
+
+
+def _local_plane(plane: str, arena: np.ndarray) -> Any:
+    if plane == "mooncake":
+        from kvseal.peer.mooncake import MooncakeDataPlane
+
+        return MooncakeDataPlane(arena, "127.0.0.1")
+    return TcpDataPlane()
+
+
+class _KillsTheServerFirst:
+    """A data plane that SIGKILLs the serving engine after the fetch's answer, just before the pages move."""
+
+    def __init__(self, inner: Any, kill: Callable[[], None]) -> None:
+        self.inner, self.kill = inner, kill
+        self.name, self.pulls = inner.name, inner.pulls
+
+    def offer(self) -> bytes:
+        return self.inner.offer()
+
+    def receive(self, *args: Any) -> None:
+        self.kill()
+        self.inner.receive(*args)
+
+    def receive_inline(self, sock: socket.socket, views: Any) -> None:
+        self.kill()
+        self.inner.receive_inline(sock, views)
+
+    def wait_settled(self, timeout_s: float) -> bool:
+        return self.inner.wait_settled(timeout_s) if hasattr(self.inner, "wait_settled") else True
+
+
+@pytest.mark.parametrize("plane", ["tcp", "mooncake"])
+def test_both_transports_move_batches_byte_exact_refuse_and_survive_peer_death(
+    plane: str, meta: Callable[..., Meta], engine_factory: Callable[..., EngineProcess], workers: Callable[..., Worker]
+) -> None:
+    """The conformance test of the data planes: the same engine-to-engine fetches, refusals and peer death."""
+    m = meta()
+    a, c = (node(engine_factory, m, n, *_plane_flags(plane)) for n in "ac")
+    shapes = {"big": {"layers": 2, "block_bytes": 1 << 20}, "odd": {"layers": 3, "block_bytes": 20000}}
+    saved, hs = {}, hashes(12)
+    for name, shape in shapes.items():
+        on_a = workers(a, f"a-{name}", **shape)
+        saved[name] = (on_a.namespace_final, on_a.save(hs, seed=len(name)))
+        wait_until(lambda ns=on_a.namespace_final: announced(m, ns, hs) == {"a": 12}, 20, "A's blocks announced")
+    for name, shape in shapes.items():  # byte-exact batches, engine to engine
+        on_c = workers(c, f"c-{name}", **shape)
+        r = on_c.query(hs)
+        assert r.hits == 12 and np.array_equal(on_c.load(hs, r.lease_id), saved[name][1]), name
+    assert c.metric("kvseal_peer_hits_total") == 24 and a.metric("kvseal_peer_served_blocks_total") == 24
+
+    address = next(n["address"] for n in c.get_json("/v1/peers")["nodes"] if n["node_id"] == "a")
+    namespace, data = saved["big"]
+    page_bytes = 2 << 20
+    arena = np.zeros(12 * page_bytes, dtype=np.uint8)
+    destinations = [memoryview(arena[i * page_bytes : (i + 1) * page_bytes]) for i in range(12)]
+    offsets = [i * page_bytes for i in range(12)]
+    digest = bytes.fromhex(next(ns["digest"] for ns in a.get_json("/v1/namespaces") if ns["namespace"] == namespace))
+    local = _local_plane(plane, arena)
+    try:
+        # through a fetcher of our own: byte-exact, then a forged digest refused, then the server killed mid-fetch
+        fetcher = PeerFetcher(f"127.0.0.1:{m.port}", "test", local, timeout_s=3)
+        assert fetcher.fetch(
+            address, namespace, SimpleNamespace(digest=digest, page_bytes=page_bytes), hs, offsets, destinations
+        ) == (12, False)  # type: ignore[arg-type]
+        assert np.array_equal(arena.reshape(12, 2, 1 << 20).transpose(1, 0, 2), data)
+        forged = SimpleNamespace(digest=bytes(32), page_bytes=page_bytes)
+        assert fetcher.fetch(address, namespace, forged, hs, offsets, destinations)[0] == 0  # type: ignore[arg-type]
+        assert fetcher.counters.refusals == {"digest": 1}
+        if plane == "mooncake":  # a fetcher of the other plane is refused in the handshake
+            other = PeerFetcher(f"127.0.0.1:{m.port}", "test-tcp", TcpDataPlane(), timeout_s=3)
+            assert other.fetch(address, namespace, forged, hs, offsets, destinations)[0] == 0  # type: ignore[arg-type]
+            assert other.counters.refusals == {"plane": 1}
+            other.close()
+        fetcher.close()
+        dying = PeerFetcher(f"127.0.0.1:{m.port}", "test", _KillsTheServerFirst(local, a.kill), timeout_s=3)
+        start = time.monotonic()
+        real = SimpleNamespace(digest=digest, page_bytes=page_bytes)
+        assert dying.fetch(address, namespace, real, hs, offsets, destinations)[0] == 0  # type: ignore[arg-type]
+        assert time.monotonic() - start < 3 + 2
+        assert sum(dying.counters.failures.values()) == 1 and not a.alive()
+        dying.close()
+    finally:
+        local.close()

@@ -135,7 +135,7 @@ def _fetch_case(plan: Plan, workdir: Path, meta: MetaProcess, page_bytes: int) -
         wire_s = []
         for _ in range(plan.reps):
             t0 = time.perf_counter()
-            got = fetcher.fetch(address, worker_a.namespace_final, layout, hashes, [0] * n, destinations)  # type: ignore[arg-type]
+            got, _ = fetcher.fetch(address, worker_a.namespace_final, layout, hashes, [0] * n, destinations)  # type: ignore[arg-type]
             wire_s.append(time.perf_counter() - t0)
             if got != n:
                 raise RuntimeError(f"the fetcher got {got} of {n} pages")

@@ -46,6 +46,7 @@ log = logging.getLogger("kvseal.engine")
 
 WorkerKey = tuple[str, int, int]  # (instance_id, tp_rank, pp_rank)
 PEER_RETRY_S = 2.0  # a prefix no peer could give is not asked for again before this
+SETTLE_S = 30.0  # how long a timed-out transfer (Mooncake: its progress timeout, 10 s) may still write pages
 
 
 class PeerSource(Protocol):
@@ -63,9 +64,14 @@ class PeerSource(Protocol):
         hashes: list[bytes],
         offsets: list[int],
         destinations: list[memoryview],
-    ) -> int:
-        """Fills destinations (pool pages at arena `offsets`) with the peer's pages; returns how many leading
-        pages arrived whole and verified."""
+    ) -> tuple[int, bool]:
+        """Fills destinations (pool pages at arena `offsets`) with the peer's pages. Returns how many leading
+        pages arrived whole and verified, and whether a transfer that gave up may still write the others (then
+        they are not reused before wait_settled)."""
+        ...
+
+    def wait_settled(self, timeout_s: float) -> bool:
+        """Waits until no transfer that gave up can still write pool pages; False if one still may."""
         ...
 
 
@@ -588,12 +594,26 @@ class Engine:
         assert self._peers is not None
         layout = sealed.layout
         destinations = [memoryview(self.arena.bytes[at : at + layout.page_bytes]) for at in plan.offsets]
+        unsettled = False
         try:
-            got = self._peers.fetch(address, sealed.namespace_final, layout, hashes, plan.offsets, destinations)
+            got, unsettled = self._peers.fetch(
+                address, sealed.namespace_final, layout, hashes, plan.offsets, destinations
+            )
         except Exception:
             log.exception("peer fetch from %s failed", address)
             got = 0
-        self._finish_refill(key, layout, plan, [i < got for i in range(len(hashes))], new=True)
+        good = [i < got for i in range(len(hashes))]
+        if unsettled:  # a transfer that timed out may still write the pages it was given: not to be reused yet
+            kept, dropped = self.store.split_plan(plan, good)
+            self._finish_refill(key, layout, kept, [True] * len(kept.pages), new=True)
+            with self._lock:
+                self._refilling.difference_update(dropped.pages)  # queries see the miss at once
+            if not self._peers.wait_settled(SETTLE_S):
+                log.error("a timed-out peer transfer still runs after %.0f s: its pages are freed anyway", SETTLE_S)
+            with self._lock:
+                self.store.finish_save(dropped, ok=False)
+        else:
+            self._finish_refill(key, layout, plan, good, new=True)
         if got < len(hashes):
             with self._lock:
                 self._peer_misses[(plan.namespace_id, hashes[got])] = time.monotonic() + PEER_RETRY_S

@@ -10,6 +10,7 @@ are a miss. A peer that refuses, stalls past the timeout or dies costs the fetch
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
@@ -158,9 +159,10 @@ class PeerFetcher:
         hashes: list[bytes],
         offsets: list[int],
         destinations: list[memoryview],
-    ) -> int:
+    ) -> tuple[int, bool]:
         start = time.perf_counter()
         got = 0
+        unsettled = False
         conn = None
         try:
             conn = self._connection(address)
@@ -175,14 +177,12 @@ class PeerFetcher:
         except PeerRefused as e:
             self.counters.refusals[e.reason] += 1
             log.warning("peer %s refused a fetch of %s: %s", address, namespace_final, e)
-        except TimeoutError:
-            self.counters.failures["timeout"] += 1
-            log.warning("peer %s: fetch timed out after %.1f s", address, self.timeout_s)
         except wire.ProtocolError as e:
             self.counters.failures["protocol"] += 1
             log.warning("peer %s: %s", address, e)
-        except OSError as e:  # ConnectionError included: refused, reset, closed mid-page
-            self.counters.failures["closed" if isinstance(e, ConnectionError) else "unreachable"] += 1
+        except OSError as e:  # ConnectionError and the data plane's TransferFailed included
+            unsettled = bool(getattr(e, "pending", False))
+            self.counters.failures[_failure_reason(e)] += 1
             log.warning("peer %s: fetch failed: %s", address, e)
         finally:
             if conn is not None:
@@ -192,7 +192,11 @@ class PeerFetcher:
             c.blocks += got
             c.bytes += got * layout.page_bytes
             c.seconds += time.perf_counter() - start
-        return got
+        return got, unsettled
+
+    def wait_settled(self, timeout_s: float) -> bool:
+        wait = getattr(self.plane, "wait_settled", None)
+        return True if wait is None else bool(wait(timeout_s))
 
     def _fetch_chunk(
         self,
@@ -289,6 +293,14 @@ class PeerFetcher:
         if ready[0] != wire.OK:
             raise PeerRefused(wire.refusal_reason(ready[0]), message)
         return offer
+
+
+def _failure_reason(e: OSError) -> str:
+    if isinstance(e, TimeoutError) or e.errno == errno.ETIMEDOUT:
+        return "timeout"
+    if isinstance(e, ConnectionRefusedError) or e.errno == errno.ECONNREFUSED:
+        return "unreachable"
+    return "closed"  # reset, closed mid-page, the data plane's transfer aborted
 
 
 def _is_loopback(host: str) -> bool:

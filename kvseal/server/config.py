@@ -55,6 +55,14 @@ def is_loopback(address: str) -> bool:
         return False
 
 
+def _is_wildcard(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
 def format_size(n: int) -> str:
     """1073741824 -> '1 GiB', 25052033024 -> '23.3 GiB'."""
     for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
@@ -93,6 +101,12 @@ def check_config(cfg: ServeConfig) -> None:
             "argument --peer-listen/--advertise/--peer-transport: peers find this node through a MetaServer: pass "
             "--metaserver HOST:PORT too"
         )
+    if cfg.peer_transport == "mooncake" and not cfg.allow_remote:
+        raise ConfigError(
+            "argument --peer-transport: Mooncake's transport listens on every interface of this machine and lets "
+            "whoever reaches its ports read and write the pool, without the token: pass --allow-remote to accept "
+            "that (only where every host that can reach this one is trusted), or use --peer-transport tcp"
+        )
     remote = [
         (flag, a)
         for flag, a in (
@@ -114,6 +128,11 @@ def check_config(cfg: ServeConfig) -> None:
         raise ConfigError(
             f"argument --allow-remote: listening on {remote[0][1]!r} needs a shared token too: pass --token or set "
             "$KVSEAL_TOKEN"
+        )
+    if cfg.peer_listen and _is_wildcard(cfg.peer_listen) and not cfg.advertise:
+        raise ConfigError(
+            f"argument --peer-listen: other nodes cannot reach {cfg.peer_listen!r}, a wildcard address: pass "
+            "--advertise HOST:PORT too, the address they reach this node at"
         )
 
 

@@ -139,7 +139,9 @@ class EngineServer:
         cfg = self.cfg
         node_id = cfg.node_id or socket.gethostname()
         host, port = (cfg.peer_listen or "127.0.0.1:0").rsplit(":", 1)
-        self._plane = _open_plane(cfg.peer_transport, self.engine, host.strip("[]"))
+        # Mooncake's offer names the host other nodes reach: the advertised one when there is one
+        offered_host = (cfg.advertise.rsplit(":", 1)[0] if cfg.advertise else host).strip("[]")
+        self._plane = _open_plane(cfg.peer_transport, self.engine, offered_host)
         try:
             self._peer_server = PeerServer(
                 self.engine, host.strip("[]"), int(port), self._plane, token=cfg.token, timeout_s=cfg.peer_timeout_s
@@ -257,8 +259,9 @@ def _open_plane(transport: str, engine: Engine, host: str) -> Any:
         except MooncakeUnavailable as e:
             raise StartError(f"--peer-transport mooncake: {e}") from None
         log.warning(
-            "--peer-transport mooncake: Mooncake's TCP transport serves the registered pool to whoever connects to "
-            "its port, without the token: use it only where every host that can reach it is trusted"
+            "--peer-transport mooncake: Mooncake's ports (%s) listen on every interface and let whoever connects read "
+            "and write the pool, without the token: firewall them to the cluster's hosts",
+            plane.endpoint,
         )
         return plane
     from kvseal.peer.tcp import TcpDataPlane
