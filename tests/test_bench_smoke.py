@@ -99,3 +99,29 @@ def test_quick_ssd_benchmark_prints_a_result_line(tmp_path: Path) -> None:
     ]
     assert all(math.isfinite(v) and v > 0 for v in values.values()), values
     assert list(tmp_path.iterdir()) == []  # its files are gone
+
+
+@pytest.mark.process
+@pytest.mark.timeout(240)
+def test_quick_peer_benchmark_prints_a_result_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvseal", "bench", "peer", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "quick: smoke figures on small sizes, not the targets' measurement" in proc.stdout
+    head, *pairs = proc.stdout.strip().splitlines()[-1].split(" ")
+    assert head == "RESULT"
+    values = {k: float(v) for k, v in (pair.split("=", 1) for pair in pairs)}
+    assert list(values) == [
+        "peer_gbps",
+        "memcpy_gbps",
+        "mooncake_tcp_gbps",
+        "peer_vs_memcpy",
+        "peer_vs_mooncake",
+        "metaquery_p50_us",
+        "metaquery_floor_us",
+    ]
+    assert all(math.isfinite(v) and v > 0 for v in values.values()), values

@@ -11,11 +11,12 @@ C fetching them. Cases (each page size: 2 MiB and 128 KiB, 256 MiB of pages):
   memcpy  np.copyto of the same bytes between two pre-faulted buffers (1 thread)
   mooncake  Mooncake Transfer Engine's batch read of the same bytes between two processes over its TCP transport
 QueryPrefix: 1 M blocks announced by 8 nodes, then queries of 128 hashes (a 2 k-token prompt of 16-token blocks)
-from one gRPC client; p50 and p99 of the call as the client sees it.
+from one gRPC client; p50 and p99 of the call as the client sees it, and the p50 of the same call finding nothing
+(the floor: a unary gRPC call between two Python processes).
 
 Last line:
     RESULT peer_gbps=... memcpy_gbps=... mooncake_tcp_gbps=... peer_vs_memcpy=... peer_vs_mooncake=...
-           metaquery_p50_us=...
+           metaquery_p50_us=... metaquery_floor_us=...
 (peer figures: 2 MiB pages, engine case, best of the repetitions. Targets: >= 0.5 x memcpy, >= 2 x Mooncake TCP,
 QueryPrefix p50 <= 300 us.)
 """
@@ -165,8 +166,9 @@ def _announced(meta: MetaProcess, namespace_final: str, hashes: list[bytes], n: 
     return any(node.prefix == n for node in r.nodes)
 
 
-def _metaquery_case(plan: Plan, meta: MetaProcess) -> tuple[float, float]:
-    """(p50, p99) microseconds of QueryPrefix of 128 hashes with plan.announced blocks announced by 8 nodes."""
+def _metaquery_case(plan: Plan, meta: MetaProcess) -> tuple[float, float, float]:
+    """(p50, p99) microseconds of QueryPrefix of 128 hashes with plan.announced blocks announced by 8 nodes, and
+    the p50 of a QueryPrefix that finds nothing (the floor: the gRPC call itself)."""
     nodes, per_prompt = 8, 128
     rng = np.random.default_rng(3)
     prompts = plan.announced // per_prompt
@@ -196,7 +198,13 @@ def _metaquery_case(plan: Plan, meta: MetaProcess) -> tuple[float, float]:
         micros.append((time.perf_counter() - t0) * 1e6)
         assert answer.nodes and answer.nodes[0].prefix == per_prompt
     micros.sort()
-    return statistics.median(micros), micros[int(len(micros) * 0.99) - 1]
+    empty = pb.QueryPrefixRequest(namespace_final="nobody.00000000", block_hashes=[bytes(32)])
+    floor = []
+    for _ in range(plan.queries):  # the same call with nothing to look up: gRPC's round trip in Python
+        t0 = time.perf_counter()
+        meta.stub.QueryPrefix(empty, timeout=10)
+        floor.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(micros), micros[int(len(micros) * 0.99) - 1], statistics.median(floor)
 
 
 def _mooncake(nbytes: int, page_bytes: int) -> float | None:
@@ -230,9 +238,11 @@ def main(quick: bool = False) -> int:
                     f"{f['wire_gbps']:.2f} GB/s, memcpy {f['memcpy_gbps']:.2f} GB/s, Mooncake TCP "
                     + (f"{mc:.2f} GB/s" if mc is not None else "not measured")
                 )
-            p50, p99 = _metaquery_case(plan, meta)
+            p50, p99, floor = _metaquery_case(plan, meta)
             print(
-                f"  QueryPrefix of 128 hashes at {plan.announced} announced blocks: p50 {p50:.0f} us, p99 {p99:.0f} us"
+                f"  QueryPrefix of 128 hashes at {plan.announced} announced blocks: p50 {p50:.0f} us, "
+                f"p99 {p99:.0f} us; "
+                f"the same call finding nothing (gRPC's round trip): p50 {floor:.0f} us"
             )
         except (OSError, RuntimeError, grpc.RpcError) as e:
             print(f"benchmark failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -247,7 +257,8 @@ def main(quick: bool = False) -> int:
     print(
         "RESULT "
         f"peer_gbps={peer:.2f} memcpy_gbps={memcpy_gbps:.2f} mooncake_tcp_gbps={mooncake_text} "
-        f"peer_vs_memcpy={peer / memcpy_gbps:.3f} peer_vs_mooncake={versus} metaquery_p50_us={p50:.0f}",
+        f"peer_vs_memcpy={peer / memcpy_gbps:.3f} peer_vs_mooncake={versus} metaquery_p50_us={p50:.0f} "
+        f"metaquery_floor_us={floor:.0f}",
         flush=True,
     )
     return 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Protocol
 
 Block = tuple[str, bytes]  # (namespace_final, block hash)
@@ -126,14 +127,15 @@ class MemoryStore:
     def query_prefix(self, namespace_final: str, hashes: Sequence[bytes], now: float) -> list[NodeHit]:
         if not hashes:
             return []
-        live = {n for n in self._holders.get((namespace_final, hashes[0]), ()) if self._nodes[n].expires > now}
-        counts = dict.fromkeys(live, 1)
-        for h in hashes[1:]:
-            if not live:
-                break
-            live &= self._holders.get((namespace_final, h), set())
-            for n in live:
-                counts[n] += 1
+        first = self._holders.get((namespace_final, hashes[0]), ())
+        live = [n for n in first if self._nodes[n].expires > now]
+        if not live:
+            return []
+        # every hash's holders at once (C-level map/zip), then each node's run: far cheaper than set intersections
+        held = list(map(self._holders.get, zip(repeat(namespace_final), hashes)))
+        counts = {
+            n: next((i for i, nodes in enumerate(held) if nodes is None or n not in nodes), len(held)) for n in live
+        }
         hits = [NodeHit(n, self._nodes[n].address, c) for n, c in counts.items()]
         return sorted(hits, key=lambda hit: (-hit.prefix, hit.node_id))
 
