@@ -123,5 +123,6 @@ def test_quick_peer_benchmark_prints_a_result_line() -> None:
         "peer_vs_mooncake",
         "metaquery_p50_us",
         "metaquery_floor_us",
+        "peer_vs_tcp",
     ]
     assert all(math.isfinite(v) and v > 0 for v in values.values()), values

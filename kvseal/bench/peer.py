@@ -10,13 +10,14 @@ C fetching them. Cases (each page size: 2 MiB and 128 KiB, 256 MiB of pages):
           transport without the engine around it
   memcpy  np.copyto of the same bytes between two pre-faulted buffers (1 thread)
   mooncake  Mooncake Transfer Engine's batch read of the same bytes between two processes over its TCP transport
+  tcp     the bare loopback TCP ceiling: one process sendall()s the bytes, this one recv_into()s them
 QueryPrefix: 1 M blocks announced by 8 nodes, then queries of 128 hashes (a 2 k-token prompt of 16-token blocks)
 from one gRPC client; p50 and p99 of the call as the client sees it, and the p50 of the same call finding nothing
 (the floor: a unary gRPC call between two Python processes).
 
 Last line:
     RESULT peer_gbps=... memcpy_gbps=... mooncake_tcp_gbps=... peer_vs_memcpy=... peer_vs_mooncake=...
-           metaquery_p50_us=... metaquery_floor_us=...
+           metaquery_p50_us=... metaquery_floor_us=... peer_vs_tcp=...
 (peer figures: 2 MiB pages, engine case, best of the repetitions. Targets: >= 0.5 x memcpy, >= 2 x Mooncake TCP,
 QueryPrefix p50 <= 300 us.)
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -207,6 +209,44 @@ def _metaquery_case(plan: Plan, meta: MetaProcess) -> tuple[float, float, float]
     return statistics.median(micros), micros[int(len(micros) * 0.99) - 1], statistics.median(floor)
 
 
+_SENDER = """
+import socket, sys
+import numpy as np
+n, reps, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+data = np.ones(n, dtype=np.uint8)
+with socket.create_connection(("127.0.0.1", port)) as s:
+    for _ in range(reps):
+        s.recv(1)
+        s.sendall(memoryview(data))
+"""
+
+
+def _loopback_tcp_gbps(nbytes: int, reps: int) -> float:
+    """The ceiling of any TCP transport here: one process sendall()s `nbytes` to this one, which recv_into()s a
+    pre-faulted buffer, over one loopback connection; best of `reps`."""
+    into = np.ones(nbytes, dtype=np.uint8)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(nbytes), str(reps), str(port)])
+        listener.settimeout(60)
+        conn, _ = listener.accept()
+    best = float("inf")
+    with conn:
+        view = memoryview(into)
+        for _ in range(reps):
+            conn.sendall(b"x")
+            t0 = time.perf_counter()
+            got = 0
+            while got < nbytes:
+                k = conn.recv_into(view[got:])
+                if k == 0:
+                    raise RuntimeError("the loopback sender closed early")
+                got += k
+            best = min(best, time.perf_counter() - t0)
+    sender.wait(timeout=60)
+    return nbytes / best / 1e9
+
+
 def _mooncake(nbytes: int, page_bytes: int) -> float | None:
     try:
         from kvseal.peer.mooncake_bench import mooncake_tcp_read_gbps
@@ -231,12 +271,14 @@ def main(quick: bool = False) -> int:
                 f: dict[str, float | None] = dict(_fetch_case(plan, Path(tmp), meta, page_bytes))
                 f["memcpy_gbps"] = plan.bytes_per_case / memcpy.seconds(plan.bytes_per_case, 5) / 1e9
                 f["mooncake_gbps"] = _mooncake(plan.bytes_per_case, page_bytes)
+                f["tcp_gbps"] = _loopback_tcp_gbps(plan.bytes_per_case, plan.reps)
                 figures[page_bytes] = f
                 mc = f["mooncake_gbps"]
                 print(
                     f"  {page_bytes >> 10:>5} KiB pages: engine to engine {f['engine_gbps']:.2f} GB/s, fetcher alone "
                     f"{f['wire_gbps']:.2f} GB/s, memcpy {f['memcpy_gbps']:.2f} GB/s, Mooncake TCP "
                     + (f"{mc:.2f} GB/s" if mc is not None else "not measured")
+                    + f", bare loopback TCP (sendall -> recv_into) {f['tcp_gbps']:.2f} GB/s"
                 )
             p50, p99, floor = _metaquery_case(plan, meta)
             print(
@@ -258,7 +300,7 @@ def main(quick: bool = False) -> int:
         "RESULT "
         f"peer_gbps={peer:.2f} memcpy_gbps={memcpy_gbps:.2f} mooncake_tcp_gbps={mooncake_text} "
         f"peer_vs_memcpy={peer / memcpy_gbps:.3f} peer_vs_mooncake={versus} metaquery_p50_us={p50:.0f} "
-        f"metaquery_floor_us={floor:.0f}",
+        f"metaquery_floor_us={floor:.0f} peer_vs_tcp={peer / main_fig['tcp_gbps']:.3f}",
         flush=True,
     )
     return 0

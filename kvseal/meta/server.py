@@ -93,10 +93,10 @@ def _check_node(node_id: str, session: str) -> None:
 def _check_hashes(field: str, hashes: Any) -> list[bytes]:
     if len(hashes) > MAX_BLOCKS_PER_REQUEST:
         raise InvalidArgument(f"{field}: at most {MAX_BLOCKS_PER_REQUEST} per request, got {len(hashes)}")
-    out = list(hashes)
-    for i, h in enumerate(out):
-        if not 0 < len(h) <= MAX_HASH_BYTES:
-            raise InvalidArgument(f"{field}[{i}] must be 1..{MAX_HASH_BYTES} bytes, got {len(h)}")
+    out = list(hashes)  # a repeated field builds a new bytes object at every access: walked once
+    if out and (min(map(len, out)) == 0 or max(map(len, out)) > MAX_HASH_BYTES):
+        i = next(i for i, h in enumerate(out) if not 0 < len(h) <= MAX_HASH_BYTES)
+        raise InvalidArgument(f"{field}[{i}] must be 1..{MAX_HASH_BYTES} bytes, got {len(out[i])}")
     return out
 
 
