@@ -18,6 +18,8 @@ from kvseal.core.layout import (
     SealedInstance,
     WorkerRegistration,
     build_layout,
+    diff_layouts,
+    explain_difference,
 )
 from kvseal.errors import FailedPrecondition, InvalidArgument
 
@@ -280,6 +282,34 @@ def test_layout_changes_change_the_fingerprint(
     assert a.layout.digest != b.layout.digest
     assert a.layout.fingerprint != b.layout.fingerprint
     assert a.namespace_final != b.namespace_final
+
+
+# what diff_layouts reports for each mutation: (field, whether it names a layer)
+_DIFF_OF = {
+    "add_mtp_layer": ("layer", True),
+    "remove_layer": ("layer", True),
+    "block_size": ("block_size", False),
+    "tp_size": ("tp_size", False),
+}
+
+
+@PROPERTY_SETTINGS
+@given(spec=instance_specs(), mutation=st.sampled_from(MUTATIONS), data=st.data(), rnd1=seeds, rnd2=seeds)
+def test_the_difference_of_two_layouts_names_what_was_changed(
+    spec: InstanceSpec, mutation: str, data: st.DataObject, rnd1: random.Random, rnd2: random.Random
+) -> None:
+    changed = mutate(spec, mutation, data.draw)
+    a = seal_all(registrations(spec, rnd1)).layout
+    b = seal_all(registrations(changed, rnd2)).layout
+    assert diff_layouts(a, a) == [] and explain_difference(a, b, "P", "D") != ""
+    diffs = diff_layouts(a, b)
+    field, names_layer = _DIFF_OF.get(mutation, (mutation, True))
+    assert [d.field for d in diffs] == [field]  # exactly the change: a layer added shifts no other layer's id
+    assert bool(diffs[0].layer) == names_layer
+    if mutation == "add_mtp_layer":
+        [extra] = {g.name for g in b.layers} - {g.name for g in a.layers}
+        assert explain_difference(a, b, "P", "D") == f"layer {extra!r} only in D"
+    assert [(d.field, d.layer) for d in diff_layouts(b, a)] == [(d.field, d.layer) for d in diffs]  # symmetric
 
 
 @PROPERTY_SETTINGS

@@ -247,6 +247,57 @@ def layout_from_descriptor(descriptor: bytes) -> Layout | None:
     return layout if layout.descriptor == descriptor else None
 
 
+@dataclass(frozen=True, slots=True)
+class LayoutDifference:
+    """One way two layouts differ: a field of the layout (`layer` empty), of one layer, or a layer on one side only
+    (field "layer", the missing side None)."""
+
+    field: str
+    layer: str
+    left: Any
+    right: Any
+
+    def describe(self, left_name: str, right_name: str) -> str:
+        if self.field == "layer":
+            side = left_name if self.right is None else right_name
+            return f"layer {self.layer!r} only in {side}"
+        where = f"layer {self.layer!r} " if self.layer else ""
+        return f"{where}{self.field}: {left_name} {self.left!r}, {right_name} {self.right!r}"
+
+
+_LAYER_FIELDS = ("dtype", "segment_bytes", "segments", "group_id", "layout_tag")
+
+
+def diff_layouts(left: Layout, right: Layout) -> list[LayoutDifference]:
+    """Every difference between two layouts, by name (not by dense id: an extra layer shifts every id after it).
+    Empty exactly when their descriptors, hence digests, are equal."""
+    out = [
+        LayoutDifference(name, "", getattr(left, name), getattr(right, name))
+        for name in ("block_size", "tp_size")
+        if getattr(left, name) != getattr(right, name)
+    ]
+    lefts = {g.name: g for g in left.layers}
+    rights = {g.name: g for g in right.layers}
+    for name in sorted(lefts.keys() | rights.keys()):
+        a, b = lefts.get(name), rights.get(name)
+        if a is None or b is None:
+            out.append(LayoutDifference("layer", name, a and a.name, b and b.name))
+            continue
+        out += [
+            LayoutDifference(f, name, getattr(a, f), getattr(b, f))
+            for f in _LAYER_FIELDS
+            if getattr(a, f) != getattr(b, f)
+        ]
+    return out
+
+
+def explain_difference(left: Layout, right: Layout, left_name: str = "this", right_name: str = "that") -> str:
+    """One line naming what differs ('' when nothing does): the layers present on one side only, then fields."""
+    diffs = diff_layouts(left, right)
+    diffs.sort(key=lambda d: d.field != "layer")  # the layers on one side first: an MTP drafter layer, usually
+    return "; ".join(d.describe(left_name, right_name) for d in diffs)
+
+
 def namespace_final(namespace: str, layout: Layout) -> str:
     return f"{namespace}.{layout.fingerprint}"
 

@@ -46,6 +46,7 @@ log = logging.getLogger("kvseal.engine")
 
 WorkerKey = tuple[str, int, int]  # (instance_id, tp_rank, pp_rank)
 PEER_RETRY_S = 2.0  # a prefix no peer could give is not asked for again before this
+MAX_PEER_MISSES = 65536
 SETTLE_S = 30.0  # how long a timed-out transfer (Mooncake: its progress timeout, 10 s) may still write pages
 
 
@@ -464,7 +465,7 @@ class Engine:
                 if result.lease_id:
                     self.store.release(result.lease_id, instance_id)
                 return loading
-            self._peer_misses[(inst.ns_id, hashes[result.hits])] = time.monotonic() + PEER_RETRY_S
+            self._note_peer_miss(inst.ns_id, hashes[result.hits])
         return found
 
     def release(self, instance_id: str, lease_id: int, peer: Peer) -> None:
@@ -616,7 +617,16 @@ class Engine:
             self._finish_refill(key, layout, plan, good, new=True)
         if got < len(hashes):
             with self._lock:
-                self._peer_misses[(plan.namespace_id, hashes[got])] = time.monotonic() + PEER_RETRY_S
+                self._note_peer_miss(plan.namespace_id, hashes[got])
+
+    def _note_peer_miss(self, ns_id: int, first_missing: bytes) -> None:
+        """No peer gave the blocks from `first_missing` on: do not ask again for PEER_RETRY_S. Under the lock."""
+        now = time.monotonic()
+        if len(self._peer_misses) >= MAX_PEER_MISSES:  # every cold prompt leaves one: keep the live ones only
+            self._peer_misses = {k: t for k, t in self._peer_misses.items() if t > now}
+            if len(self._peer_misses) >= MAX_PEER_MISSES:
+                self._peer_misses.clear()
+        self._peer_misses[(ns_id, first_missing)] = now + PEER_RETRY_S
 
     def pin_for_peer(
         self, namespace_final: str, digest: bytes, page_bytes: int, hashes: Sequence[bytes], owner: str, ttl_s: float
