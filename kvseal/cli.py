@@ -273,8 +273,15 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="what a running engine holds per final namespace and user; purge one",
         formatter_class=_HelpFormatter,
     )
-    names.add_argument("action", nargs="?", choices=["list", "purge"], default="list", help="list, or purge one")
-    names.add_argument("namespace", nargs="?", help="purge: the final namespace (namespace.fingerprint)")
+    names.add_argument(
+        "action",
+        nargs="?",
+        choices=["list", "purge", "compare"],
+        default="list",
+        help="list, purge one, or compare two (why they cannot share blocks)",
+    )
+    names.add_argument("namespace", nargs="?", help="purge, compare: a final namespace (namespace.fingerprint)")
+    names.add_argument("other", nargs="?", help="compare: the other final namespace")
     names.add_argument("--uid", type=int, default=None, help="purge: only this user's namespace of that name")
     names.add_argument("--http", type=_http_address, default="127.0.0.1:9091", help="the engine's HTTP address")
     names.add_argument("--token", default=None, help="the engine's token; default: $KVSEAL_TOKEN")
@@ -326,8 +333,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             )
         if not (args.store == "memory" or args.store.startswith("redis://")):
             parser.error(f"argument --store: 'memory' or redis://HOST:PORT/DB, got {args.store!r}")
-    if args.command == "namespaces" and (args.action == "purge") != bool(args.namespace):
-        parser.error("kvseal namespaces purge NAMESPACE_FINAL: name one final namespace (and only with purge)")
+    if args.command == "namespaces":
+        wanted = {"list": 0, "purge": 1, "compare": 2}[args.action]
+        if [args.namespace, args.other].count(None) != 2 - wanted:
+            parser.error(
+                "kvseal namespaces purge NAMESPACE_FINAL | compare NAMESPACE_FINAL OTHER: name one final namespace to "
+                "purge, two to compare, none to list"
+            )
     if args.command != "serve":
         return args
     if args.token is None:
@@ -353,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         token = args.token or os.environ.get("KVSEAL_TOKEN") or None
         if args.action == "purge":
             return inventory.purge(args.http, token, args.namespace, args.uid, args.json)
+        if args.action == "compare":
+            return inventory.compare(args.http, token, args.namespace, args.other, args.json)
         return inventory.namespaces(args.http, token, args.json)
     if args.command == "metaserver":
         return _metaserver(args)

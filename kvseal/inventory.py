@@ -85,6 +85,17 @@ def purge(http: str, token: str | None, namespace: str, uid: int | None, as_json
     return 0
 
 
+def compare(http: str, token: str | None, a: str, b: str, as_json: bool) -> int:
+    """Why two final namespaces cannot share blocks. Exit status 0 when they can, 1 when they cannot."""
+    query = urllib.parse.urlencode({"a": a, "b": b})
+    answer = _request("GET", f"http://{http}/v1/compatibility?{query}", token)
+    if as_json:
+        print(json.dumps(answer, indent=1))
+    else:
+        print(f"{a} and {b}: " + ("compatible" if answer["compatible"] else f"incompatible: {answer['message']}"))
+    return 0 if answer["compatible"] else 1
+
+
 def inspect_ssd(directories: list[str], verify: bool, as_json: bool) -> int:
     """What the tier directories hold, read-only (a running engine's directory is read as it is on disk)."""
     from kvseal.ssd.device import FileDevice

@@ -9,8 +9,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import pytest
 from conftest import REPO, EngineProcess, free_port, save_blocks, wait_until
+
+from kvseal.client import EngineClient, layer_from_array
+from kvseal.memfd import SharedArray
+from kvseal.proto import kvseal_pb2 as pb
+from kvseal.proto import kvseal_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.process
 
@@ -75,3 +81,77 @@ def test_namespaces_without_an_engine_and_purge_without_a_name_say_so() -> None:
     assert r.returncode == 2 and "name one final namespace" in r.stderr
     r = kvseal("ssd", "inspect", "/nonexistent/kvseal")
     assert r.returncode == 1 and "is not a directory" in r.stderr
+
+
+def _register(
+    client: EngineClient, instance: str, layers: list[str], dtype: str = "uint8", block_size: int = 16
+) -> str:
+    """Seals an instance of one worker whose layers are `layers` (4 KiB blocks); returns its namespace_final."""
+    shared = SharedArray((len(layers), 4, 4096))
+    specs = [
+        layer_from_array(name, shared.array[i], shared, layout_tag="t", dtype=dtype) for i, name in enumerate(layers)
+    ]
+    status = client.register(
+        instance_id=instance,
+        namespace="llama",
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        world_size=1,
+        block_size=block_size,
+        layers=specs,
+    )
+    return status.namespace_final
+
+
+def test_compare_names_the_drafter_layer_and_the_fields_that_differ(engine: EngineProcess) -> None:
+    """Operators ask why two final namespaces cannot share blocks: over HTTP, gRPC (also with another engine's
+    descriptor) and `kvseal namespaces compare`; the drafter layer of an MTP deployment is named."""
+    base = ["model.layers.0.attn", "model.layers.1.attn"]
+    http = engine.http.removeprefix("http://")
+    with EngineClient(engine.target, timeout=30) as client:
+        plain = _register(client, "plain", base)
+        mtp = _register(client, "mtp", [*base, "model.layers.2.mtp.attn"])
+        other = _register(client, "other", base, dtype="float16", block_size=32)
+        twin = _register(client, "twin", base)
+        assert twin == plain and len({plain, mtp, other}) == 3
+
+        r = kvseal("namespaces", "compare", plain, mtp, "--http", http)
+        assert (r.returncode, r.stdout.strip()) == (
+            1,
+            f"{plain} and {mtp}: incompatible: layer 'model.layers.2.mtp.attn' only in {mtp}",
+        )
+        r = kvseal("namespaces", "compare", plain, twin, "--http", http)
+        assert (r.returncode, r.stdout.strip()) == (0, f"{plain} and {plain}: compatible")
+
+        code, body = engine.get(f"/v1/compatibility?a={plain}&b={other}")
+        answer = json.loads(body)
+        assert code == 200 and not answer["compatible"]
+        assert answer["differences"] == [
+            {"field": "block_size", "layer": "", "a": 16, "b": 32},
+            {"field": "dtype", "layer": "model.layers.0.attn", "a": "uint8", "b": "float16"},
+            {"field": "dtype", "layer": "model.layers.1.attn", "a": "uint8", "b": "float16"},
+        ]
+        assert answer["message"] == (
+            f"block_size: {plain} 16, {other} 32; layer 'model.layers.0.attn' dtype: {plain} 'uint8', {other} "
+            f"'float16'; layer 'model.layers.1.attn' dtype: {plain} 'uint8', {other} 'float16'"
+        )
+
+        # another engine's descriptor (what P/D parameters carry), over gRPC
+        descriptor = next(ns["descriptor"] for ns in engine.get_json("/v1/namespaces") if ns["namespace"] == mtp)
+        stub = pb_grpc.EngineStub(grpc.insecure_channel(engine.target))
+        answer = stub.Compare(pb.CompareRequest(namespace_final=plain, other_descriptor=descriptor.encode()))
+        assert not answer.compatible and answer.message == "layer 'model.layers.2.mtp.attn' only in the other"
+        assert [(d.field, d.layer, d.left, d.right) for d in answer.differences] == [
+            ("layer", "model.layers.2.mtp.attn", "", "model.layers.2.mtp.attn")
+        ]
+        for request, code, text in [
+            (pb.CompareRequest(namespace_final="nope.12345678", other_namespace_final=plain), "NOT_FOUND", "nope"),
+            (pb.CompareRequest(namespace_final=plain, other_descriptor=b"{}"), "INVALID_ARGUMENT", "other_descriptor"),
+            (pb.CompareRequest(namespace_final=plain), "INVALID_ARGUMENT", "other_namespace_final"),
+        ]:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Compare(request)
+            assert e.value.code().name == code and text in e.value.details()
+    assert engine.get("/v1/compatibility?a=x")[0] == 400
+    assert engine.get(f"/v1/compatibility?a={plain}&b=nope.12345678")[0] == 404

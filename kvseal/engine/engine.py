@@ -30,8 +30,11 @@ from typing import Any, Protocol
 from kvseal.core.layout import (
     InstanceRegistry,
     Layout,
+    LayoutDifference,
     SealedInstance,
     WorkerRegistration,
+    diff_layouts,
+    explain_difference,
     layout_from_descriptor,
     validate_registration,
 )
@@ -770,6 +773,39 @@ class Engine:
                 )
             return out
 
+    def compare(
+        self, namespace_final: str, other_namespace_final: str = "", other_descriptor: bytes = b""
+    ) -> tuple[list[LayoutDifference], str]:
+        """How the layout of `namespace_final` (held here, in memory or on SSD) differs from another one held here or
+        from another engine's descriptor: the differences and one line naming them (empty: compatible)."""
+        if not namespace_final:
+            raise InvalidArgument("namespace_final must not be empty")
+        left = self._layout_named(namespace_final, "namespace_final")
+        if other_namespace_final:
+            right, other = self._layout_named(other_namespace_final, "other_namespace_final"), other_namespace_final
+        elif other_descriptor:
+            parsed = layout_from_descriptor(other_descriptor)
+            if parsed is None:
+                raise InvalidArgument(
+                    "other_descriptor is not a layout descriptor this engine reads (another descriptor format, or not "
+                    "canonical JSON)"
+                )
+            right, other = parsed, "the other"
+        else:
+            raise InvalidArgument("name the other layout: other_namespace_final or other_descriptor")
+        return diff_layouts(left, right), explain_difference(left, right, namespace_final, other)
+
+    def _layout_named(self, namespace_final: str, field: str) -> Layout:
+        with self._lock:
+            for ns, layout in self.store.namespace_stats():
+                if ns.namespace_final == namespace_final:
+                    return layout
+            if self.ssd is not None:
+                for (_, name), (_, _, descriptor) in self.ssd.namespaces().items():
+                    if name == namespace_final and (layout := layout_from_descriptor(descriptor)) is not None:
+                        return layout
+        raise NotFound(f"{field} {namespace_final!r} is not held by this engine (see /v1/namespaces)")
+
     def purge(self, namespace_final: str, uid: int | None = None) -> list[dict[str, Any]]:
         """Drops a final namespace (every user's, or the one of `uid`) from memory and SSD. Pages a lease or a copy
         pins stay until released. One entry per (user, namespace) purged; empty when there is none."""
@@ -853,6 +889,7 @@ def _namespace_view(key: NamespaceKey, layout: Layout) -> dict[str, Any]:
         "tp_size": layout.tp_size,
         "num_layers": len(layout.layers),
         "page_bytes": layout.page_bytes,
+        "descriptor": layout.descriptor.decode(),
     }
 
 

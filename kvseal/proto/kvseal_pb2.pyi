@@ -207,6 +207,38 @@ class InfoResponse(_message.Message):
     lane_socket: str
     def __init__(self, version: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., lane_socket: _Optional[str] = ...) -> None: ...
 
+class CompareRequest(_message.Message):
+    __slots__ = ("namespace_final", "other_namespace_final", "other_descriptor")
+    NAMESPACE_FINAL_FIELD_NUMBER: _ClassVar[int]
+    OTHER_NAMESPACE_FINAL_FIELD_NUMBER: _ClassVar[int]
+    OTHER_DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    namespace_final: str
+    other_namespace_final: str
+    other_descriptor: bytes
+    def __init__(self, namespace_final: _Optional[str] = ..., other_namespace_final: _Optional[str] = ..., other_descriptor: _Optional[bytes] = ...) -> None: ...
+
+class LayoutDifference(_message.Message):
+    __slots__ = ("field", "layer", "left", "right")
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
+    RIGHT_FIELD_NUMBER: _ClassVar[int]
+    field: str
+    layer: str
+    left: str
+    right: str
+    def __init__(self, field: _Optional[str] = ..., layer: _Optional[str] = ..., left: _Optional[str] = ..., right: _Optional[str] = ...) -> None: ...
+
+class CompareResponse(_message.Message):
+    __slots__ = ("compatible", "message", "differences")
+    COMPATIBLE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DIFFERENCES_FIELD_NUMBER: _ClassVar[int]
+    compatible: bool
+    message: str
+    differences: _containers.RepeatedCompositeFieldContainer[LayoutDifference]
+    def __init__(self, compatible: _Optional[bool] = ..., message: _Optional[str] = ..., differences: _Optional[_Iterable[_Union[LayoutDifference, _Mapping]]] = ...) -> None: ...
+
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "session", "address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]

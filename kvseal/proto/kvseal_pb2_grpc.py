@@ -26,11 +26,7 @@ if _version_not_supported:
 
 
 class EngineStub:
-    """Workers register, save, load and unregister over the local lane (kvseal.lane): their memory travels there as
-    file descriptors, the lane connection is their session, and the engine knows the peer's uid (SO_PEERCRED).
-    RegisterRequest is the body of the lane's REGISTER frame, InstanceStatus its answer. gRPC serves discovery
-    (Info names the lane's socket), queries and releases.
-    """
+    """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
         """Constructor.
@@ -53,14 +49,15 @@ class EngineStub:
                 request_serializer=kvseal_dot_proto_dot_kvseal__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvseal_dot_proto_dot_kvseal__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Compare = channel.unary_unary(
+                '/kvseal.v1.Engine/Compare',
+                request_serializer=kvseal_dot_proto_dot_kvseal__pb2.CompareRequest.SerializeToString,
+                response_deserializer=kvseal_dot_proto_dot_kvseal__pb2.CompareResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
-    """Workers register, save, load and unregister over the local lane (kvseal.lane): their memory travels there as
-    file descriptors, the lane connection is their session, and the engine knows the peer's uid (SO_PEERCRED).
-    RegisterRequest is the body of the lane's REGISTER frame, InstanceStatus its answer. gRPC serves discovery
-    (Info names the lane's socket), queries and releases.
-    """
+    """Missing associated documentation comment in .proto file."""
 
     def Info(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -75,6 +72,12 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Compare(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -98,6 +101,11 @@ def add_EngineServicer_to_server(servicer, server):
                     request_deserializer=kvseal_dot_proto_dot_kvseal__pb2.ReleaseRequest.FromString,
                     response_serializer=kvseal_dot_proto_dot_kvseal__pb2.ReleaseResponse.SerializeToString,
             ),
+            'Compare': grpc.unary_unary_rpc_method_handler(
+                    servicer.Compare,
+                    request_deserializer=kvseal_dot_proto_dot_kvseal__pb2.CompareRequest.FromString,
+                    response_serializer=kvseal_dot_proto_dot_kvseal__pb2.CompareResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'kvseal.v1.Engine', rpc_method_handlers)
@@ -107,11 +115,7 @@ def add_EngineServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Engine:
-    """Workers register, save, load and unregister over the local lane (kvseal.lane): their memory travels there as
-    file descriptors, the lane connection is their session, and the engine knows the peer's uid (SO_PEERCRED).
-    RegisterRequest is the body of the lane's REGISTER frame, InstanceStatus its answer. gRPC serves discovery
-    (Info names the lane's socket), queries and releases.
-    """
+    """Missing associated documentation comment in .proto file."""
 
     @staticmethod
     def Info(request,
@@ -184,6 +188,33 @@ class Engine:
             '/kvseal.v1.Engine/Release',
             kvseal_dot_proto_dot_kvseal__pb2.ReleaseRequest.SerializeToString,
             kvseal_dot_proto_dot_kvseal__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Compare(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvseal.v1.Engine/Compare',
+            kvseal_dot_proto_dot_kvseal__pb2.CompareRequest.SerializeToString,
+            kvseal_dot_proto_dot_kvseal__pb2.CompareResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,5 @@
-"""HTTP side of the engine: /health, /metrics (Prometheus), /v1/instances, /v1/namespaces, /v1/peers (JSON), and
+"""HTTP side of the engine: /health, /metrics (Prometheus), /v1/instances, /v1/namespaces, /v1/peers,
+/v1/compatibility?a=NS&b=NS (why two final namespaces cannot share blocks) (JSON), and
 DELETE /v1/namespaces/<namespace_final>[?uid=N], which purges a final namespace from memory and SSD.
 
 Who may ask: /health, anyone. Every other path: with a token, whoever sends it; without one, only a client whose
@@ -21,6 +22,7 @@ import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvseal.engine.engine import Engine
+from kvseal.errors import NotFound
 from kvseal.server.metrics import Metrics
 from kvseal.server.peers import local_uid_allowed, tcp_peer_uid
 
@@ -79,6 +81,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._json([dataclasses.asdict(s) for s in self.engine.instances()])
         elif path == "/v1/peers":
             self._peers()
+        elif path == "/v1/compatibility":
+            self._compatibility()
         else:
             self._error(404, f"no such path {path!r}")
 
@@ -100,6 +104,20 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(404, f"no namespace {namespace!r} in memory or on SSD")
             return
         self._json(purged)
+
+    def _compatibility(self) -> None:
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+        a, b = query.get("a", [""])[0], query.get("b", [""])[0]
+        if not a or not b:
+            self._error(400, "name both final namespaces: /v1/compatibility?a=<namespace_final>&b=<namespace_final>")
+            return
+        try:
+            diffs, message = self.engine.compare(a, b)
+        except NotFound as e:
+            self._error(404, str(e))
+            return
+        differences = [{"field": d.field, "layer": d.layer, "a": d.left, "b": d.right} for d in diffs]
+        self._json({"compatible": not diffs, "message": message, "differences": differences})
 
     def _peers(self) -> None:
         fetcher = self.server.peers  # type: ignore[attr-defined]

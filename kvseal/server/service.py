@@ -93,3 +93,22 @@ class EngineService(pb_grpc.EngineServicer):
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         self.engine.release(request.instance_id, request.lease_id, self._peer(context))
         return pb.ReleaseResponse()
+
+    @_rpc
+    def Compare(self, request: pb.CompareRequest, context: grpc.ServicerContext) -> pb.CompareResponse:
+        self._peer(context)  # layouts name every tenant's models: privileged callers only, as /v1/namespaces
+        diffs, message = self.engine.compare(
+            request.namespace_final, request.other_namespace_final, request.other_descriptor
+        )
+        return pb.CompareResponse(
+            compatible=not diffs,
+            message=message,
+            differences=[
+                pb.LayoutDifference(field=d.field, layer=d.layer, left=_text(d.left), right=_text(d.right))
+                for d in diffs
+            ],
+        )
+
+
+def _text(value: object) -> str:
+    return "" if value is None else str(value)
