@@ -168,6 +168,16 @@ class EngineClient:
         if self._lane_call(ln.encode_release, instance_id, lease_id, spin=True) is None:
             self._call("Release", pb.ReleaseRequest(instance_id=instance_id, lease_id=lease_id))
 
+    def describe(self, instance_id: str) -> pb.InstanceStatus:
+        """The instance's registration state and, once sealed, its namespace_final and layout descriptor."""
+        return self._call("Describe", pb.DescribeRequest(instance_id=instance_id))
+
+    def compare(self, namespace_final: str, other_descriptor: bytes) -> pb.CompareResponse:
+        """How the layout of `namespace_final` (held by the engine) differs from another engine's descriptor."""
+        return self._call(
+            "Compare", pb.CompareRequest(namespace_final=namespace_final, other_descriptor=other_descriptor)
+        )
+
     def info(self) -> pb.InfoResponse:
         return self._call("Info", pb.InfoRequest())
 

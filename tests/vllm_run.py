@@ -5,9 +5,11 @@
 Keys: model, prompts, engine (null = no connector), namespace, mode and timeout_s (kvseal.mode, kvseal.timeout_s),
 block_size (128), dtype (float32), max_tokens (8), connector ("KVSealConnector" or "ExampleConnector"), storage
 (ExampleConnector's path), speculative (a dict), load_format, no_prefix_caching, hash_algo
-(prefix_caching_hash_algo), interactive (read prompts from stdin instead, answer with "STEP {...}" lines).
+(prefix_caching_hash_algo), kv_role (kv_both), kv_transfer_params (one dict or null per prompt: the request's
+P/D parameters), interactive (read prompts from stdin instead, answer with "STEP {...}" lines).
 Each prompt runs in its own generate() call, in order. Output: {"outputs": [[ids]...], "external_hits": N,
-"seconds": [...]} where external_hits is vLLM's own count of tokens served by the connector.
+"seconds": [...], "kv_transfer_params": [...]} where external_hits is vLLM's own count of tokens served by the
+connector and kv_transfer_params what each request finished with (a prefill's hand-over).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def main() -> None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVSealConnector",
             kv_connector_module_path="kvseal.vllm",
-            kv_role="kv_both",
+            kv_role=args.get("kv_role", "kv_both"),
             kv_connector_extra_config=extra,
         )
     if args.get("no_prefix_caching"):
@@ -67,15 +69,27 @@ def main() -> None:
     if args.get("interactive"):
         serve_stdin(llm, params, TokensPrompt)
         return
-    outputs, seconds, ttft = [], [], []
-    for ids in args["prompts"]:
+    outputs, seconds, ttft, handed = [], [], [], []
+    transfer = args.get("kv_transfer_params") or [None] * len(args["prompts"])
+    for ids, kv_params in zip(args["prompts"], transfer, strict=True):
         start = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        request_params = params
+        if kv_params is not None:
+            request_params = params.clone()
+            request_params.extra_args = {"kv_transfer_params": kv_params}
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], request_params, use_tqdm=False)[0]
         seconds.append(time.perf_counter() - start)
         outputs.append(list(out.outputs[0].token_ids))
+        handed.append(out.kv_transfer_params)
         if out.metrics is not None and getattr(out.metrics, "first_token_latency", None) is not None:
             ttft.append(out.metrics.first_token_latency)
-    result = {"outputs": outputs, "external_hits": external_hits(llm), "seconds": seconds, "ttft": ttft}
+    result = {
+        "outputs": outputs,
+        "external_hits": external_hits(llm),
+        "seconds": seconds,
+        "ttft": ttft,
+        "kv_transfer_params": handed,
+    }
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -117,6 +117,7 @@ class InstanceStatus:
     namespace_final: str = ""
     fingerprint: str = ""
     digest: str = ""
+    descriptor: bytes = b""
     num_layers: int = 0
     page_bytes: int = 0
     block_size: int = 0
@@ -726,6 +727,7 @@ class Engine:
             namespace_final=sealed.namespace_final,
             fingerprint=sealed.layout.fingerprint,
             digest=sealed.layout.digest.hex(),
+            descriptor=sealed.layout.descriptor,
             num_layers=len(sealed.layout.layers),
             page_bytes=sealed.layout.page_bytes,
         )

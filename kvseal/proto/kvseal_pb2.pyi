@@ -80,7 +80,7 @@ class WorkerId(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ...) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("sealed", "registered", "world_size", "namespace_final", "fingerprint", "digest", "num_layers", "page_bytes")
+    __slots__ = ("sealed", "registered", "world_size", "namespace_final", "fingerprint", "digest", "num_layers", "page_bytes", "descriptor")
     SEALED_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class InstanceStatus(_message.Message):
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
     sealed: bool
     registered: int
     world_size: int
@@ -97,7 +98,14 @@ class InstanceStatus(_message.Message):
     digest: str
     num_layers: int
     page_bytes: int
-    def __init__(self, sealed: _Optional[bool] = ..., registered: _Optional[int] = ..., world_size: _Optional[int] = ..., namespace_final: _Optional[str] = ..., fingerprint: _Optional[str] = ..., digest: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+    descriptor: bytes
+    def __init__(self, sealed: _Optional[bool] = ..., registered: _Optional[int] = ..., world_size: _Optional[int] = ..., namespace_final: _Optional[str] = ..., fingerprint: _Optional[str] = ..., digest: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_bytes: _Optional[int] = ..., descriptor: _Optional[bytes] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ("instance_id",)
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("instance_id", "namespace", "tp_rank", "tp_size", "pp_rank", "world_size", "block_size", "layers")
@@ -198,14 +206,16 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "pool_bytes", "lane_socket")
+    __slots__ = ("version", "pool_bytes", "lane_socket", "node_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     LANE_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     version: str
     pool_bytes: int
     lane_socket: str
-    def __init__(self, version: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., lane_socket: _Optional[str] = ...) -> None: ...
+    node_id: str
+    def __init__(self, version: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., lane_socket: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class CompareRequest(_message.Message):
     __slots__ = ("namespace_final", "other_namespace_final", "other_descriptor")

@@ -54,6 +54,11 @@ class EngineStub:
                 request_serializer=kvseal_dot_proto_dot_kvseal__pb2.CompareRequest.SerializeToString,
                 response_deserializer=kvseal_dot_proto_dot_kvseal__pb2.CompareResponse.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/kvseal.v1.Engine/Describe',
+                request_serializer=kvseal_dot_proto_dot_kvseal__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=kvseal_dot_proto_dot_kvseal__pb2.InstanceStatus.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -83,6 +88,13 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """An instance's registration state and, once sealed, its layout descriptor (P/D parameters carry it)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +117,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Compare,
                     request_deserializer=kvseal_dot_proto_dot_kvseal__pb2.CompareRequest.FromString,
                     response_serializer=kvseal_dot_proto_dot_kvseal__pb2.CompareResponse.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=kvseal_dot_proto_dot_kvseal__pb2.DescribeRequest.FromString,
+                    response_serializer=kvseal_dot_proto_dot_kvseal__pb2.InstanceStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +232,33 @@ class Engine:
             '/kvseal.v1.Engine/Compare',
             kvseal_dot_proto_dot_kvseal__pb2.CompareRequest.SerializeToString,
             kvseal_dot_proto_dot_kvseal__pb2.CompareResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvseal.v1.Engine/Describe',
+            kvseal_dot_proto_dot_kvseal__pb2.DescribeRequest.SerializeToString,
+            kvseal_dot_proto_dot_kvseal__pb2.InstanceStatus.FromString,
             options,
             channel_credentials,
             insecure,

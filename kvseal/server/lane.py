@@ -476,4 +476,5 @@ def encode_status(s: InstanceStatus) -> pb.InstanceStatus:
         digest=s.digest,
         num_layers=s.num_layers,
         page_bytes=s.page_bytes,
+        descriptor=s.descriptor,
     )

@@ -138,6 +138,7 @@ class EngineServer:
 
         cfg = self.cfg
         node_id = cfg.node_id or socket.gethostname()
+        self.service.node_id = node_id
         host, port = (cfg.peer_listen or "127.0.0.1:0").rsplit(":", 1)
         # Mooncake's offer names the host other nodes reach: the advertised one when there is one
         offered_host = (cfg.advertise.rsplit(":", 1)[0] if cfg.advertise else host).strip("[]")

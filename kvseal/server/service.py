@@ -17,6 +17,7 @@ from kvseal.errors import KvsealError, PermissionDenied
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
 from kvseal.server import peers
+from kvseal.server.lane import encode_status
 from kvseal.server.metrics import Metrics
 
 log = logging.getLogger("kvseal.server")
@@ -56,6 +57,7 @@ class EngineService(pb_grpc.EngineServicer):
         self.metrics = metrics
         self.lane_socket = ""  # set by the server once the local lane listens
         self.port = 0  # set by the server once it listens on TCP
+        self.node_id = ""  # set by the server when it has a MetaServer
         self._trusted = token or unix
 
     def _peer(self, context: grpc.ServicerContext) -> Peer:
@@ -73,8 +75,16 @@ class EngineService(pb_grpc.EngineServicer):
     @_rpc
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         return pb.InfoResponse(
-            version=__version__, pool_bytes=self.engine.store.arena_bytes, lane_socket=self.lane_socket
+            version=__version__,
+            pool_bytes=self.engine.store.arena_bytes,
+            lane_socket=self.lane_socket,
+            node_id=self.node_id,
         )
+
+    @_rpc
+    def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.InstanceStatus:
+        self._peer(context)
+        return encode_status(self.engine.status(request.instance_id))
 
     @_rpc
     def Query(self, request: pb.QueryRequest, context: grpc.ServicerContext) -> pb.QueryResponse:

@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.request import RequestStatus
 
 from kvseal.client import EngineClient, layer_from_tensor
 from kvseal.errors import KvsealError
@@ -61,12 +62,15 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvseal.vllm")
 MODES = ("read_write", "save_only", "load_only")
 RETRY_INTERVAL_S = 1.0  # at most one registration attempt per interval
 DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_PD_TIMEOUT_S = 30.0
+PD_WAIT_S = 3.0  # how long a decode request waits for the prefill's blocks to reach its engine (another node's)
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 # answers of an engine that works, about the state of this instance: not an outage
@@ -217,6 +221,13 @@ def claimable_blocks(hits: int, drop_last_block: bool) -> int:
     return max(hits - 1, 0) if drop_last_block else hits
 
 
+def _prefill_params(request: Request) -> dict[str, Any] | None:
+    """The kvseal part of a decode request's kv_transfer_params (what the prefill instance handed over), or None."""
+    params = request.kv_transfer_params or {}
+    prefill = params.get("kvseal") if params.get("do_remote_prefill") else None
+    return prefill if isinstance(prefill, dict) and prefill.get("version") == 1 else None
+
+
 def _timeout_s(extra: dict[str, Any]) -> float:
     value = extra.get("kvseal.timeout_s", DEFAULT_TIMEOUT_S)
     try:
@@ -225,6 +236,17 @@ def _timeout_s(extra: dict[str, Any]) -> float:
         timeout = 0.0
     if not 0 < timeout < float("inf"):
         raise ValueError(f"kvseal.timeout_s must be a positive number of seconds, got {value!r}")
+    return timeout
+
+
+def _pd_timeout_s(extra: dict[str, Any]) -> float:
+    value = extra.get("kvseal.pd_timeout_s", DEFAULT_PD_TIMEOUT_S)
+    try:
+        timeout = float(value)
+    except (TypeError, ValueError):
+        timeout = 0.0
+    if not 0 < timeout < float("inf"):
+        raise ValueError(f"kvseal.pd_timeout_s must be a positive number of seconds, got {value!r}")
     return timeout
 
 
@@ -256,10 +278,10 @@ class KVSealConnector(KVConnectorBase_V1):
         self.timeout_s = _timeout_s(extra)
         self.instance_id = f"vllm-{transfer.engine_id}"
         self.block_size = vllm_config.cache_config.block_size
-        self.client = EngineClient(
-            self.target, token=extra.get("kvseal.token"), timeout=self.timeout_s, engine_uid=_engine_uid(extra)
-        )
+        self.token = extra.get("kvseal.token")
+        self.client = EngineClient(self.target, token=self.token, timeout=self.timeout_s, engine_uid=_engine_uid(extra))
         self.outage = _Outage.of(self.target)
+        self.pd_timeout_s = _pd_timeout_s(extra)
         if role == KVConnectorRole.SCHEDULER:
             # a failed or refused load must make vLLM recompute, never fail the request
             transfer.kv_load_failure_policy = "recompute"
@@ -268,6 +290,10 @@ class KVSealConnector(KVConnectorBase_V1):
             self._tracked: dict[str, _Tracked] = {}
             self._requests: dict[str, Any] = {}
             self._loads: list[LoadJob] = []
+            self._holds: dict[str, dict[str, Any]] = {}  # decode: request id -> the prefill's hold, to end
+            self._waiting_since: dict[str, float] = {}  # decode: when a request first waited for its prefill's KV
+            self._described: dict[str, Any] | None = None  # this instance's layout, as prefill/decode params say it
+            self._hold_clients: dict[str, EngineClient] = {}
         else:
             model = vllm_config.model_config
             self.namespace = extra.get("kvseal.namespace") or model_identity(model.model, model.revision)
@@ -284,6 +310,7 @@ class KVSealConnector(KVConnectorBase_V1):
         self._release_pending(request.request_id)
         if self.mode == "save_only" or not self.outage.allows_call():
             return 0, False
+        prefill = _prefill_params(request)
         start = num_computed_tokens // self.block_size
         limit = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))  # keep the last token
         if limit <= start:
@@ -300,6 +327,15 @@ class KVSealConnector(KVConnectorBase_V1):
         if q.loading:
             self._release(q.lease_id)
             return None, False
+        if prefill is not None:
+            if prefill.get("namespace_final") != q.namespace_final:
+                self._release(q.lease_id)
+                self._refuse(request.request_id, prefill, q.namespace_final)
+                return 0, False  # computed here instead: never KV of another layout
+            self._holds[request.request_id] = prefill
+            if q.hits < min(len(prefill.get("block_hashes", ())), limit - start) and self._wait(request.request_id):
+                self._release(q.lease_id)
+                return None, False  # the prefill's blocks are on their way (another node announces them soon)
         hits = claimable_blocks(q.hits, self._drop_last_block)
         if hits == 0:
             self._release(q.lease_id)
@@ -369,12 +405,117 @@ class KVSealConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # saves run synchronously at the end of the step that computed the blocks, so nothing is left to wait for
         self._forget(request.request_id)
+        params = request.kv_transfer_params or {}
+        if params.get("kvseal_describe"):  # a router asks which layout this instance has
+            return False, {"kvseal": self._describe()}
+        if params.get("do_remote_decode") and request.status == RequestStatus.FINISHED_LENGTH_CAPPED:
+            return False, self._hand_over(request)
         return False, None
+
+    # ---------------------------------------------------------------- prefill / decode
+
+    def _describe(self) -> dict[str, Any]:
+        """This instance's final namespace, layout descriptor and node, once known (the engine's Describe)."""
+        if self._described is None and self.outage.allows_call():
+            try:
+                status = self.client.describe(self.instance_id)
+                node_id = self.client.info().node_id
+            except KvsealError as e:
+                log.warning("kvseal: cannot describe %s to a prefill/decode router: %s", self.instance_id, e)
+                return {"version": 1}
+            if status.sealed:
+                self._described = {
+                    "version": 1,
+                    "namespace_final": status.namespace_final,
+                    "descriptor": status.descriptor.decode(),
+                    "node_id": node_id,
+                }
+        return dict(self._described or {"version": 1})
+
+    def _hand_over(self, request: Request) -> dict[str, Any]:
+        """Prefill side: holds the prompt's saved blocks under a lease of kvseal.pd_timeout_s (capped by the engine's
+        --lease-ttl) and says where the decode instance finds them. The lease ends when the decode side has loaded
+        them (it releases it), or by its TTL (the decode never came)."""
+        n = min(len(request.block_hashes), request.num_prompt_tokens // self.block_size)
+        hashes = list(request.block_hashes[:n])
+        params: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.instance_id,
+            "remote_block_ids": [],
+            "remote_host": None,
+            "remote_port": None,
+        }
+        if not hashes or not self.outage.allows_call():
+            return params
+        try:
+            q = self.client.query(self.instance_id, hashes, lease_ttl_ms=int(self.pd_timeout_s * 1000))
+        except KvsealError as e:
+            self.outage.failed("query", e)
+            return params  # the decode side computes the prompt itself
+        params["kvseal"] = self._describe() | {
+            "namespace_final": q.namespace_final,
+            "engine": self.target,
+            "instance_id": self.instance_id,
+            "lease_id": q.lease_id,
+            "lease_ttl_ms": q.lease_ttl_ms,
+            "block_hashes": [bytes(h).hex() for h in hashes],
+        }
+        return params
+
+    def _refuse(self, req_id: str, prefill: dict[str, Any], own: str) -> None:
+        """Decode side: the prefill's layout is not this instance's. Says what differs (the engine compares the two
+        descriptors), and the request is computed here."""
+        why = "the layouts differ"
+        descriptor = prefill.get("descriptor")
+        if isinstance(descriptor, str):
+            try:
+                why = self.client.compare(own, descriptor.encode()).message or why
+            except KvsealError as e:
+                why = f"the layouts differ (the engine could not compare them: {e})"
+        log.warning(
+            "kvseal: request %s: refusing the prefill's KV (%s) for this decode instance (%s): %s; computing the "
+            "prompt here",
+            req_id,
+            prefill.get("namespace_final"),
+            own,
+            why,
+        )
+        self._end_hold(prefill)
+
+    def _wait(self, req_id: str) -> bool:
+        first = self._waiting_since.setdefault(req_id, time.monotonic())
+        return time.monotonic() - first < min(PD_WAIT_S, self.pd_timeout_s)
+
+    def _end_hold(self, prefill: dict[str, Any]) -> None:
+        """Ends the prefill's lease on its engine (this one, or another node's), as soon as it is not needed."""
+        lease_id, instance, target = prefill.get("lease_id"), prefill.get("instance_id"), prefill.get("engine")
+        if not (isinstance(lease_id, int) and lease_id > 0 and isinstance(instance, str) and isinstance(target, str)):
+            return
+        if target == self.target:
+            client = self.client
+        else:
+            client = self._hold_clients.get(target) or EngineClient(target, token=self.token, timeout=self.timeout_s)
+            self._hold_clients[target] = client
+        try:
+            client.release(instance, lease_id)
+        except KvsealError:
+            pass  # expired, or that engine is gone: its TTL ends it either way
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for req_id in connector_output.finished_recving or ():
+            hold = self._holds.pop(req_id, None)
+            if hold is not None:
+                self._end_hold(hold)
 
     def _forget(self, req_id: str) -> None:
         self._release_pending(req_id)
         self._tracked.pop(req_id, None)
         self._requests.pop(req_id, None)
+        self._waiting_since.pop(req_id, None)
+        hold = self._holds.pop(req_id, None)
+        if hold is not None:
+            self._end_hold(hold)
 
     def _release_pending(self, req_id: str) -> None:
         pending = self._pending.pop(req_id, None)
