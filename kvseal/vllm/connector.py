@@ -7,7 +7,8 @@ Extra config: `kvseal.engine` (gRPC target, default 127.0.0.1:50055), `kvseal.na
 identity, kvseal.vllm.identity), `kvseal.mode` (read_write | save_only | load_only), `kvseal.token`,
 `kvseal.timeout_s` (deadline of every engine call in seconds, default 5: a wedged engine costs at most that),
 `kvseal.engine_uid` (the engine's user, a uid or name, when it is neither root nor vLLM's: the connector hands its KV
-memory only to a lane served by root, its own user or this one).
+memory only to a lane served by root, its own user or this one), `kvseal.pd_timeout_s` (how long a prefill holds
+its blocks for the decode instance, default 30).
 
 Scheduler side (one per vLLM instance): asks the engine, through the local lane, how many of a waiting request's
 block hashes beyond vLLM's own hit are resident; the engine pins them under a lease. vLLM then allocates blocks
@@ -22,6 +23,13 @@ Worker side (one per tp/pp rank): registers exactly the KV tensors vLLM allocate
 they exist) with their physical packing in `layout_tag`; the engine seals the layout and derives the namespace.
 Loads run at the step's start and are reported through get_finished; a failed or refused load reports its blocks
 through get_block_ids_with_load_errors so vLLM recomputes them. All saves of a step go in one Save RPC.
+
+Prefill/decode (per request, from its kv_transfer_params, as vLLM's P/D connectors do): a prefill request
+(`do_remote_decode`) finishes by holding its prompt's saved blocks under a lease of `kvseal.pd_timeout_s` and
+returning `do_remote_prefill` parameters with a `kvseal` entry (namespace_final, descriptor, engine, node, lease,
+block hashes); a decode request carrying them loads those blocks like any hit (the engine fetches them from the
+prefill's node when it is another), releases the hold once loaded, and refuses them when its namespace_final is not
+the prefill's, logging what differs. `kvseal_describe` requests answer the instance's layout (for routers).
 
 The engine being down or wedged never stops inference: calls fail soft (no hit, no save), each within its deadline;
 after a failure the connectors of a process skip engine calls for 1 s, doubling with every further failure up to
