@@ -403,3 +403,23 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
     yield f"redis://127.0.0.1:{port}/0"
     proc.kill()
     proc.wait()
+
+
+@pytest.fixture
+def vllm_server(tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """start(model, engine_target or None, kv_role="kv_both", wait=True) -> a serving VllmServer; stopped at the end."""
+    from vllm_support import VllmServer  # imports vLLM's helpers only for the tests that start a server
+
+    started: list[VllmServer] = []
+
+    def start(model: Path, engine_target: str | None, kv_role: str = "kv_both", wait: bool = True) -> VllmServer:
+        server = VllmServer(model, engine_target, tmp_path / f"vllm-server{len(started)}.log", kv_role)
+        started.append(server)
+        if wait:
+            server.wait_ready()
+        return server
+
+    yield start
+    for server in started:
+        if not server.stopped:
+            server.stop()

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
+from conftest import free_port, http_get
+from prometheus_client.parser import text_string_to_metric_families
 
 TESTS = Path(__file__).resolve().parent
 VLLM_TIMEOUT_S = 600
@@ -74,3 +80,134 @@ def prompts(seed: int, n: int, length: int, vocab: int = 990) -> list[list[int]]
 
     rng = random.Random(seed)
     return [[rng.randint(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+# ---------------------------------------------------------------- the OpenAI-compatible server
+
+BLOCK = 128
+START_TIMEOUT_S = 240.0  # the server imports vLLM in three processes; ~40-90 s on 2 busy CPUs
+STOP_TIMEOUT_S = 30.0
+REQUEST_TIMEOUT_S = 60.0
+
+
+class VllmServer:
+    """One `python -m vllm.entrypoints.openai.api_server` subprocess (in its own process group, so that its
+    EngineCore and Worker children go with it), logging to a file."""
+
+    def __init__(self, model: Path, engine_target: str | None, log_path: Path, kv_role: str = "kv_both") -> None:
+        """`engine_target` None: no connector (a baseline)."""
+        self.model = str(model)
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        transfer = {
+            "kv_connector": "KVSealConnector",
+            "kv_connector_module_path": "kvseal.vllm",
+            "kv_role": kv_role,
+            "kv_connector_extra_config": {"kvseal.engine": engine_target},
+        }
+        args = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--port",
+            str(self.port),
+            "--host",
+            "127.0.0.1",
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(BLOCK),
+            "--max-model-len",
+            "2048",
+            "--enforce-eager",
+            "--enable-prompt-tokens-details",
+            "--no-enable-prefix-caching",
+        ]
+        if engine_target is not None:
+            args += ["--kv-transfer-config", json.dumps(transfer)]
+        env = vllm_env()
+        # the server's real layout: EngineCore (scheduler-side connector) and Worker (worker-side connector) in their
+        # own processes, so the connector metadata crosses a process boundary as in a deployment
+        del env["VLLM_ENABLE_V1_MULTIPROCESSING"]
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.stopped = False
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def fail(self, what: str) -> NoReturn:
+        pytest.fail(f"{what}\n--- vLLM server log (tail) ---\n{self.log()[-12000:]}", pytrace=False)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                self.fail(f"vLLM server exited with {self.proc.returncode} while starting")
+            try:
+                if http_get(f"{self.base}/health", timeout=2.0)[0] == 200:
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.fail(f"vLLM server not healthy after {START_TIMEOUT_S}s")
+            time.sleep(0.5)  # poll interval of a bounded wait on a real condition
+
+    def complete(self, prompt: list[int]) -> dict[str, Any]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        request = urllib.request.Request(
+            f"{self.base}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+                return json.loads(response.read())
+        except (urllib.error.URLError, OSError) as e:
+            self.fail(f"completion failed: {e!r} (server exit code {self.proc.poll()})")
+
+    def metric_total(self, name: str) -> float:
+        status, body = http_get(f"{self.base}/metrics")
+        assert status == 200, status
+        values = [
+            sample.value
+            for family in text_string_to_metric_families(body.decode())
+            for sample in family.samples
+            if sample.name == name
+        ]
+        if not values:
+            self.fail(f"{name} not in vLLM's /metrics")
+        return sum(values)
+
+    def stop(self) -> int:
+        """SIGTERM to the server, then SIGKILL to its process group if it does not exit; returns its exit code."""
+        self.stopped = True
+        if self.proc.poll() is not None:
+            return self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.fail(f"vLLM server ignored SIGTERM for {STOP_TIMEOUT_S}s and was killed")
+        finally:
+            self._reap_group()
+
+    def _reap_group(self) -> None:
+        """The EngineCore/Worker children (and multiprocessing's resource tracker, which cleans up shared memory)
+        exit after the server: wait for the process group to empty, then SIGKILL what is left of it."""
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)  # poll interval of a bounded wait on a real condition
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
