@@ -11,10 +11,13 @@ import os
 import re
 import signal
 import sys
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import kvseal
 from kvseal.server.config import ConfigError, ServeConfig, check_config, format_size, is_loopback
+
+if TYPE_CHECKING:
+    from kvseal.router import RouterConfig
 
 _UNITS = {
     "": 1,
@@ -306,6 +309,40 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     meta.add_argument("--token", default=None, help="shared bearer token; default: $KVSEAL_TOKEN, else none")
     meta.add_argument("--log-level", type=str.upper, choices=_LOG_LEVELS, default="INFO", help="logging level")
 
+    router = sub.add_parser(
+        "router",
+        help="run an OpenAI-compatible prefill/decode router in front of vLLM instances",
+        formatter_class=_HelpFormatter,
+    )
+    router.add_argument(
+        "--prefill", action="append", default=None, help="http://HOST:PORT of a prefill instance (repeat for several)"
+    )
+    router.add_argument(
+        "--decode", action="append", default=None, help="http://HOST:PORT of a decode instance (repeat for several)"
+    )
+    router.add_argument("--listen", type=_host_port, default="127.0.0.1:8000", help="HTTP address: HOST:PORT")
+    router.add_argument(
+        "--policy",
+        choices=["round_robin", "least_inflight"],
+        default="round_robin",
+        help="how an instance is picked: in turn, or the one with the fewest requests in flight at the router",
+    )
+    router.add_argument(
+        "--metaserver",
+        type=_host_port,
+        default=None,
+        help="HOST:PORT of a kvseal metaserver: pick the decode instance whose node holds the longest prefix",
+    )
+    router.add_argument("--token", default=None, help="the MetaServer's token; default: $KVSEAL_TOKEN")
+    router.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=300.0,
+        help="seconds an instance may take to answer (a decode stream: to stay silent) before the client gets 504",
+    )
+    router.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --listen address")
+    router.add_argument("--log-level", type=str.upper, choices=_LOG_LEVELS, default="INFO", help="logging level")
+
     ssd = sub.add_parser("ssd", help="offline tools for SSD tier directories")
     ssd.add_argument("what", choices=["inspect"])
     ssd.add_argument("directory", nargs="+", help="the tier's --ssd-path directories (a stopped engine's)")
@@ -333,6 +370,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             )
         if not (args.store == "memory" or args.store.startswith("redis://")):
             parser.error(f"argument --store: 'memory' or redis://HOST:PORT/DB, got {args.store!r}")
+    if args.command == "router":
+        from kvseal.router import check_config as check_router
+
+        try:
+            args.router_config = check_router(router_config(args))
+        except ConfigError as e:
+            parser.error(str(e))
     if args.command == "namespaces":
         wanted = {"list": 0, "purge": 1, "compare": 2}[args.action]
         if [args.namespace, args.other].count(None) != 2 - wanted:
@@ -370,6 +414,11 @@ def main(argv: list[str] | None = None) -> int:
         return inventory.namespaces(args.http, token, args.json)
     if args.command == "metaserver":
         return _metaserver(args)
+    if args.command == "router":
+        from kvseal import router
+
+        logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return router.run(args.router_config)
     if args.command == "ssd":
         from kvseal import inventory
 
@@ -413,6 +462,22 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         peer_listen=args.peer_listen or "",
         peer_transport=args.peer_transport,
         peer_timeout_s=args.peer_timeout,
+    )
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    """The RouterConfig that `kvseal router` runs with, from the parsed command line (before its checks)."""
+    from kvseal.router import RouterConfig
+
+    return RouterConfig(
+        prefill=tuple(args.prefill or ()),
+        decode=tuple(args.decode or ()),
+        listen=args.listen,
+        policy=args.policy,
+        metaserver=args.metaserver or "",
+        token=args.token or os.environ.get("KVSEAL_TOKEN") or None,
+        timeout_s=args.timeout,
+        allow_remote=args.allow_remote,
     )
 
 

@@ -1,0 +1,60 @@
+"""What `kvseal router` runs with, and the checks of it that need no network: kept free of aiohttp and grpc so
+that a wrong command line is refused at once."""
+
+from __future__ import annotations
+
+import dataclasses
+import urllib.parse
+from dataclasses import dataclass
+
+from kvseal.server.config import ConfigError, is_loopback
+
+POLICIES = ("round_robin", "least_inflight")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    prefill: tuple[str, ...]  # base URLs (scheme://host:port[/prefix], no trailing slash) of the prefill instances
+    decode: tuple[str, ...]
+    listen: str = "127.0.0.1:8000"
+    policy: str = "round_robin"
+    metaserver: str = ""  # HOST:PORT of a kvseal metaserver that picks decode instances by prefix ('' = none)
+    token: str | None = None  # the MetaServer's
+    timeout_s: float = 300.0
+    allow_remote: bool = False
+
+
+def instance_url(flag: str, text: str) -> str:
+    """`text` as a base URL the router appends /v1/... to; raises ConfigError naming `flag` when it is not one."""
+    url = urllib.parse.urlsplit(text.strip())
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    if url.scheme not in ("http", "https") or not url.hostname or port is None or url.query or url.fragment:
+        raise ConfigError(
+            f"argument {flag}: {text!r} is not an instance's URL: pass http://HOST:PORT (the address vLLM serves "
+            "its OpenAI API on)"
+        )
+    return f"{url.scheme}://{url.netloc}{url.path.rstrip('/')}"
+
+
+def check_config(cfg: RouterConfig) -> RouterConfig:
+    """The config with every URL normalised; raises ConfigError naming the flag and the fix when `cfg` cannot run."""
+    lists = {}
+    for flag, urls in (("--prefill", cfg.prefill), ("--decode", cfg.decode)):
+        if not urls:
+            raise ConfigError(f"argument {flag}: no instance given: pass {flag} http://HOST:PORT at least once")
+        normal = tuple(instance_url(flag, u) for u in urls)
+        if len(set(normal)) != len(normal):
+            raise ConfigError(f"argument {flag}: an instance is given twice: pass each instance once")
+        lists[flag] = normal
+    if cfg.policy not in POLICIES:
+        raise ConfigError(f"argument --policy: one of {', '.join(POLICIES)}, got {cfg.policy!r}")
+    if not is_loopback(cfg.listen) and not cfg.allow_remote:
+        # the router forwards to the instances whatever it is sent, with the clients' credentials: local by default
+        raise ConfigError(
+            f"argument --listen: {cfg.listen!r} is not a loopback address, and the router listens on loopback only: "
+            f"pass 127.0.0.1:{cfg.listen.rsplit(':', 1)[1]} (for other machines to reach it, add --allow-remote)"
+        )
+    return dataclasses.replace(cfg, prefill=lists["--prefill"], decode=lists["--decode"])
