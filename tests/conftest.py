@@ -407,13 +407,15 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
 
 @pytest.fixture
 def vllm_server(tmp_path: Path) -> Iterator[Callable[..., Any]]:
-    """start(model, engine_target or None, kv_role="kv_both", wait=True) -> a serving VllmServer; stopped at the end."""
+    """start(model, engine_target or None, kv_role, wait, extra server args) -> a VllmServer; stopped at the end."""
     from vllm_support import VllmServer  # imports vLLM's helpers only for the tests that start a server
 
     started: list[VllmServer] = []
 
-    def start(model: Path, engine_target: str | None, kv_role: str = "kv_both", wait: bool = True) -> VllmServer:
-        server = VllmServer(model, engine_target, tmp_path / f"vllm-server{len(started)}.log", kv_role)
+    def start(
+        model: Path, engine_target: str | None, kv_role: str = "kv_both", wait: bool = True, extra: tuple[str, ...] = ()
+    ) -> VllmServer:
+        server = VllmServer(model, engine_target, tmp_path / f"vllm-server{len(started)}.log", kv_role, extra)
         started.append(server)
         if wait:
             server.wait_ready()

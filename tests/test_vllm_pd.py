@@ -5,10 +5,17 @@ decode instance of another layout refuses the prefill's KV, says which layer dif
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import EngineProcess
+from conftest import EngineProcess, free_port, http_get, wait_until
 from vllm_support import build_model, prompts, run_vllm
 
 pytestmark = pytest.mark.process
@@ -89,3 +96,94 @@ def test_a_decode_instance_of_another_layout_refuses_and_names_the_layer(
     assert decode["outputs"] == baseline and decode["external_hits"] == 0
     assert "refusing the prefill's KV" in decode["stderr"]
     assert "layer 'model.layers.4.self_attn.attn' only in the other" in decode["stderr"]
+
+
+class Router:
+    """`kvseal router` as a subprocess in front of vLLM OpenAI servers."""
+
+    def __init__(self, workdir: Path, prefill: list[str], decode: list[str]) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / f"router-{self.port}.log"
+        argv = [sys.executable, "-m", "kvseal", "router", "--listen", f"127.0.0.1:{self.port}"]
+        for url in prefill:
+            argv += ["--prefill", url]
+        for url in decode:
+            argv += ["--decode", url]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        wait_until(self._ready, 60, "the router to serve")
+
+    def _ready(self) -> bool:
+        assert self.proc.poll() is None, self.log_path.read_text()
+        try:
+            return http_get(f"{self.base}/health", timeout=2)[0] == 200
+        except OSError:
+            return False
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        request = urllib.request.Request(
+            f"{self.base}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def _streamed_token_ids(raw: bytes) -> list[int]:
+    ids: list[int] = []
+    for line in raw.decode().splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            for choice in json.loads(line.removeprefix("data: "))["choices"]:
+                ids += choice.get("token_ids") or []
+    return ids
+
+
+@pytest.mark.timeout(900)
+def test_the_router_sends_prefill_then_decode_and_answers_as_one_instance(
+    engine: EngineProcess, vllm_server: Callable[..., Any], models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Real vLLM OpenAI servers on one engine: P (kv_producer), D (kv_consumer) and P5, a prefill instance of
+    another layout (one layer more) under the same model name. Through `kvseal router`: completions (plain and
+    streamed) equal a no-connector run's and D's prompt blocks come from the prefill through kvseal; P5 in front
+    of D is refused with an HTTP error naming the extra layer."""
+    llama4, llama5 = models["llama4"], models["llama5"]
+    named = ("--served-model-name", "llama")  # one model name for all: the router probes D with the client's
+    p = vllm_server(llama4, engine.target, "kv_producer", wait=False, extra=named)
+    d = vllm_server(llama4, engine.target, "kv_consumer", wait=False, extra=named)
+    p5 = vllm_server(llama5, engine.target, "kv_producer", wait=False, extra=named)
+    prompt = prompts(seed=13, n=1, length=300)[0]
+    expected = run_vllm({"model": str(llama4), "prompts": [prompt], "engine": None})["outputs"][0]  # meanwhile
+    for server in (p, d, p5):
+        server.wait_ready()
+    body = {"model": "llama", "prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+
+    router = Router(tmp_path, [p.base], [d.base])
+    try:
+        code, raw = router.post("/v1/completions", body)
+        assert code == 200, raw
+        answer = json.loads(raw)
+        assert answer["choices"][0]["token_ids"] == expected
+        # D loaded the prompt's two full blocks through kvseal (its usage reports P's own cache hits, by vLLM's
+        # P/D convention: remote_prefill_cached_tokens)
+        assert d.metric_total("vllm:external_prefix_cache_hits_total") == 2 * BLOCK
+        code, raw = router.post("/v1/completions", body | {"stream": True})
+        assert code == 200 and _streamed_token_ids(raw) == expected
+        assert d.metric_total("vllm:external_prefix_cache_hits_total") == 4 * BLOCK
+    finally:
+        router.stop()
+    wait_until(lambda: engine.metric("kvseal_leases") == 0, 30, "the prefill's holds to end once D loaded")
+
+    mismatched = Router(tmp_path, [p5.base], [d.base])
+    try:
+        code, raw = mismatched.post("/v1/completions", body)
+        assert code == 409, raw
+        assert "model.layers.4.self_attn.attn" in json.loads(raw)["error"]["message"]
+    finally:
+        mismatched.stop()

@@ -94,8 +94,15 @@ class VllmServer:
     """One `python -m vllm.entrypoints.openai.api_server` subprocess (in its own process group, so that its
     EngineCore and Worker children go with it), logging to a file."""
 
-    def __init__(self, model: Path, engine_target: str | None, log_path: Path, kv_role: str = "kv_both") -> None:
-        """`engine_target` None: no connector (a baseline)."""
+    def __init__(
+        self,
+        model: Path,
+        engine_target: str | None,
+        log_path: Path,
+        kv_role: str = "kv_both",
+        extra: tuple[str, ...] = (),
+    ) -> None:
+        """`engine_target` None: no connector (a baseline); `extra`: more server arguments (the last one wins)."""
         self.model = str(model)
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -128,6 +135,7 @@ class VllmServer:
         ]
         if engine_target is not None:
             args += ["--kv-transfer-config", json.dumps(transfer)]
+        args += extra
         env = vllm_env()
         # the server's real layout: EngineCore (scheduler-side connector) and Worker (worker-side connector) in their
         # own processes, so the connector metadata crosses a process boundary as in a deployment
