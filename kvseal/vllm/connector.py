@@ -286,8 +286,9 @@ class KVSealConnector(KVConnectorBase_V1):
         self.timeout_s = _timeout_s(extra)
         self.instance_id = f"vllm-{transfer.engine_id}"
         self.block_size = vllm_config.cache_config.block_size
-        self.token = extra.get("kvseal.token")
-        self.client = EngineClient(self.target, token=self.token, timeout=self.timeout_s, engine_uid=_engine_uid(extra))
+        self.client = EngineClient(
+            self.target, token=extra.get("kvseal.token"), timeout=self.timeout_s, engine_uid=_engine_uid(extra)
+        )
         self.outage = _Outage.of(self.target)
         self.pd_timeout_s = _pd_timeout_s(extra)
         if role == KVConnectorRole.SCHEDULER:
@@ -301,7 +302,6 @@ class KVSealConnector(KVConnectorBase_V1):
             self._holds: dict[str, dict[str, Any]] = {}  # decode: request id -> the prefill's hold, to end
             self._waiting_since: dict[str, float] = {}  # decode: when a request first waited for its prefill's KV
             self._described: dict[str, Any] | None = None  # this instance's layout, as prefill/decode params say it
-            self._hold_clients: dict[str, EngineClient] = {}
         else:
             model = vllm_config.model_config
             self.namespace = extra.get("kvseal.namespace") or model_identity(model.model, model.revision)
@@ -496,19 +496,22 @@ class KVSealConnector(KVConnectorBase_V1):
         return time.monotonic() - first < min(PD_WAIT_S, self.pd_timeout_s)
 
     def _end_hold(self, prefill: dict[str, Any]) -> None:
-        """Ends the prefill's lease on its engine (this one, or another node's), as soon as it is not needed."""
-        lease_id, instance, target = prefill.get("lease_id"), prefill.get("instance_id"), prefill.get("engine")
-        if not (isinstance(lease_id, int) and lease_id > 0 and isinstance(instance, str) and isinstance(target, str)):
+        """Ends the prefill's lease as soon as it is not needed, when the prefill used this instance's engine. On
+        another node's engine its TTL ends it: the parameters come from the API client, and this connector does
+        not call (and hand its token to) an engine address a client wrote."""
+        lease_id, instance = prefill.get("lease_id"), prefill.get("instance_id")
+        if prefill.get("engine") != self.target or not isinstance(instance, str):
             return
-        if target == self.target:
-            client = self.client
-        else:
-            client = self._hold_clients.get(target) or EngineClient(target, token=self.token, timeout=self.timeout_s)
-            self._hold_clients[target] = client
+        if isinstance(lease_id, int) and lease_id > 0:
+            self._release_of(instance, lease_id)
+
+    def _release_of(self, instance: str, lease_id: int) -> None:
+        if not self.outage.allows_call():
+            return
         try:
-            client.release(instance, lease_id)
+            self.client.release(instance, lease_id)
         except KvsealError:
-            pass  # expired, or that engine is gone: its TTL ends it either way
+            pass  # expired, or released already: gone either way
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for req_id in connector_output.finished_recving or ():
