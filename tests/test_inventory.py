@@ -139,6 +139,7 @@ def test_compare_names_the_drafter_layer_and_the_fields_that_differ(engine: Engi
 
         # another engine's descriptor (what P/D parameters carry), over gRPC
         descriptor = next(ns["descriptor"] for ns in engine.get_json("/v1/namespaces") if ns["namespace"] == mtp)
+        assert {i["instance_id"]: i["descriptor"] for i in engine.get_json("/v1/instances")}["mtp"] == descriptor
         stub = pb_grpc.EngineStub(grpc.insecure_channel(engine.target))
         answer = stub.Compare(pb.CompareRequest(namespace_final=plain, other_descriptor=descriptor.encode()))
         assert not answer.compatible and answer.message == "layer 'model.layers.2.mtp.attn' only in the other"

@@ -78,7 +78,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/v1/namespaces":
             self._json(self.engine.namespaces())
         elif path == "/v1/instances":
-            self._json([dataclasses.asdict(s) for s in self.engine.instances()])
+            self._json([dataclasses.asdict(s) | {"descriptor": s.descriptor.decode()} for s in self.engine.instances()])
         elif path == "/v1/peers":
             self._peers()
         elif path == "/v1/compatibility":
