@@ -72,6 +72,15 @@ def test_quick_store_ops_benchmark_prints_its_table() -> None:
     assert "cross-class stall" in proc.stdout
 
 
+def _quick_result(proc: subprocess.CompletedProcess[str]) -> dict[str, float]:
+    """The figures of a --quick benchmark's last line, which must be a RESULT line; the run said it was quick."""
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "quick: smoke figures on small sizes, not the targets' measurement" in proc.stdout
+    head, *pairs = proc.stdout.strip().splitlines()[-1].split(" ")
+    assert head == "RESULT"
+    return {k: float(v) for k, v in (pair.split("=", 1) for pair in pairs)}
+
+
 @pytest.mark.process
 @pytest.mark.timeout(240)
 def test_quick_ssd_benchmark_prints_a_result_line(tmp_path: Path) -> None:
@@ -81,11 +90,7 @@ def test_quick_ssd_benchmark_prints_a_result_line(tmp_path: Path) -> None:
         text=True,
         timeout=230,
     )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert "quick: smoke figures on small sizes, not the targets' measurement" in proc.stdout
-    head, *pairs = proc.stdout.strip().splitlines()[-1].split(" ")
-    assert head == "RESULT"
-    values = {k: float(v) for k, v in (pair.split("=", 1) for pair in pairs)}
+    values = _quick_result(proc)
     assert list(values) == [
         "ssd_write_gbps",
         "ssd_read_gbps",
@@ -110,11 +115,7 @@ def test_quick_peer_benchmark_prints_a_result_line() -> None:
         text=True,
         timeout=230,
     )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert "quick: smoke figures on small sizes, not the targets' measurement" in proc.stdout
-    head, *pairs = proc.stdout.strip().splitlines()[-1].split(" ")
-    assert head == "RESULT"
-    values = {k: float(v) for k, v in (pair.split("=", 1) for pair in pairs)}
+    values = _quick_result(proc)
     assert list(values) == [
         "peer_gbps",
         "memcpy_gbps",

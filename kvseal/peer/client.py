@@ -11,7 +11,6 @@ are a miss. A peer that refuses, stalls past the timeout or dies costs the fetch
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
 import os
 import socket
@@ -30,6 +29,7 @@ from kvseal.peer import wire
 from kvseal.peer.tcp import checksums, recv_exact, recv_frame
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
+from kvseal.server.config import is_loopback
 from kvseal.server.peers import local_uid_allowed, tcp_peer_uid
 
 log = logging.getLogger("kvseal.peer")
@@ -260,7 +260,7 @@ class PeerFetcher:
                 return idle.pop()
         host, _, port = address.rpartition(":")
         host = host.strip("[]")
-        if self.token is None and not _is_loopback(host):
+        if self.token is None and not is_loopback(f"[{host}]:{port}"):
             raise PeerRefused("auth", f"{address} is not on loopback and this engine has no token to prove")
         sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
         try:
@@ -301,12 +301,3 @@ def _failure_reason(e: OSError) -> str:
     if isinstance(e, ConnectionRefusedError) or e.errno == errno.ECONNREFUSED:
         return "unreachable"
     return "closed"  # reset, closed mid-page, the data plane's transfer aborted
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

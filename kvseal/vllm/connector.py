@@ -236,26 +236,16 @@ def _prefill_params(request: Request) -> dict[str, Any] | None:
     return prefill if isinstance(prefill, dict) and prefill.get("version") == 1 else None
 
 
-def _timeout_s(extra: dict[str, Any]) -> float:
-    value = extra.get("kvseal.timeout_s", DEFAULT_TIMEOUT_S)
+def _seconds(extra: dict[str, Any], key: str, default: float) -> float:
+    """A positive, finite number of seconds from the extra config, or ValueError naming the key."""
+    value = extra.get(key, default)
     try:
-        timeout = float(value)
+        seconds = float(value)
     except (TypeError, ValueError):
-        timeout = 0.0
-    if not 0 < timeout < float("inf"):
-        raise ValueError(f"kvseal.timeout_s must be a positive number of seconds, got {value!r}")
-    return timeout
-
-
-def _pd_timeout_s(extra: dict[str, Any]) -> float:
-    value = extra.get("kvseal.pd_timeout_s", DEFAULT_PD_TIMEOUT_S)
-    try:
-        timeout = float(value)
-    except (TypeError, ValueError):
-        timeout = 0.0
-    if not 0 < timeout < float("inf"):
-        raise ValueError(f"kvseal.pd_timeout_s must be a positive number of seconds, got {value!r}")
-    return timeout
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{key} must be a positive number of seconds, got {value!r}")
+    return seconds
 
 
 def _engine_uid(extra: dict[str, Any]) -> int | None:
@@ -283,14 +273,14 @@ class KVSealConnector(KVConnectorBase_V1):
         if self.mode not in MODES:
             raise ValueError(f"kvseal.mode must be one of {MODES}, got {self.mode!r}")
         self.target = extra.get("kvseal.engine", "127.0.0.1:50055")
-        self.timeout_s = _timeout_s(extra)
+        self.timeout_s = _seconds(extra, "kvseal.timeout_s", DEFAULT_TIMEOUT_S)
         self.instance_id = f"vllm-{transfer.engine_id}"
         self.block_size = vllm_config.cache_config.block_size
         self.client = EngineClient(
             self.target, token=extra.get("kvseal.token"), timeout=self.timeout_s, engine_uid=_engine_uid(extra)
         )
         self.outage = _Outage.of(self.target)
-        self.pd_timeout_s = _pd_timeout_s(extra)
+        self.pd_timeout_s = _seconds(extra, "kvseal.pd_timeout_s", DEFAULT_PD_TIMEOUT_S)
         if role == KVConnectorRole.SCHEDULER:
             # a failed or refused load must make vLLM recompute, never fail the request
             transfer.kv_load_failure_policy = "recompute"
