@@ -31,9 +31,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+@pytest.mark.parametrize("sync_load_bytes", [None, 0], ids=["sync-loads", "async-loads"])
 def test_warm_vllm_process_loads_shared_prefixes_with_identical_outputs(
-    engine: EngineProcess, models: dict[str, Path]
+    engine: EngineProcess, models: dict[str, Path], sync_load_bytes: int | None
 ) -> None:
+    """Loads this small run synchronously in the step that schedules the request (the default for loads up to
+    64 MiB per worker), or, with kvseal.sync_load_bytes 0, asynchronously (the request waits a step in
+    WAITING_FOR_REMOTE_KVS): the same hits and outputs either way."""
     a, c = prompts(seed=1, n=2, length=300)
     b = a[:256] + prompts(seed=2, n=1, length=44)[0]  # shares A's first two blocks only
     model = str(models["llama4"])
@@ -45,7 +49,7 @@ def test_warm_vllm_process_loads_shared_prefixes_with_identical_outputs(
     [ns] = engine.get_json("/v1/namespaces")
     assert ns["resident_blocks"] == 4  # two full blocks per prompt; the last (partial) block is never saved
 
-    warm = run_vllm({"model": model, "prompts": [b, c, a], "engine": engine.target})
+    warm = run_vllm({"model": model, "prompts": [b, c, a], "engine": engine.target, "sync_load_bytes": sync_load_bytes})
     # B: its first 2 blocks are A's (partial prefix hit); C: 2 blocks; A: loaded blocks of B are now vLLM's own
     assert warm["external_hits"] >= 2 * BLOCK + 2 * BLOCK
     assert warm["outputs"] == [baseline["outputs"][1], baseline["outputs"][2], baseline["outputs"][0]]

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from conftest import EngineProcess, free_port, http_get, wait_until
-from vllm_support import build_model, prompts, run_vllm
+from vllm_support import build_model, mimo_model, prompts, run_vllm
 
 pytestmark = pytest.mark.process
 
@@ -30,18 +30,26 @@ HAND_OVER = {"do_remote_decode": True, "do_remote_prefill": False}
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("pd-models")
+    llama4 = build_model(base / "llama4", layers=4)
     return {
-        "llama4": build_model(base / "llama4", layers=4),
-        "llama5": build_model(base / "llama5", layers=5),
+        "llama4": llama4,
         # an MTP field in the config with speculative decoding off: P/D must not be decided by it
         "nextn": build_model(base / "nextn", layers=4, config_extra={"num_nextn_predict_layers": 1}),
+        # MiMo: real MTP when speculative decoding is on (the drafter layer model.layers.4.self_attn.attn)
+        "mimo": mimo_model(base / "mimo", llama4, 4),
     }
+
+
+MTP = {"method": "mtp", "num_speculative_tokens": 1}
+DRAFTER = "model.layers.4.self_attn.attn"
 
 
 def test_decode_loads_the_prefills_blocks_and_answers_as_one_instance(
     engine: EngineProcess, models: dict[str, Path]
 ) -> None:
-    """With a model whose config has num_nextn_predict_layers (speculative decoding off: no drafter layer)."""
+    """With a model whose config has num_nextn_predict_layers (speculative decoding off: no drafter layer). D loads
+    asynchronously here (kvseal.sync_load_bytes 0), so the hold ends when the workers report the load finished; the
+    router test's decode loads synchronously and ends it once its own lease pins the blocks."""
     model = str(models["nextn"])
     a, c = prompts(seed=11, n=2, length=300)
     baseline = run_vllm({"model": model, "prompts": [a, c], "engine": None})["outputs"]
@@ -70,6 +78,7 @@ def test_decode_loads_the_prefills_blocks_and_answers_as_one_instance(
             "engine": engine.target,
             "kv_role": "kv_consumer",
             "kv_transfer_params": handed,
+            "sync_load_bytes": 0,
         }
     )
     assert decode["outputs"] == baseline
@@ -80,55 +89,68 @@ def test_decode_loads_the_prefills_blocks_and_answers_as_one_instance(
 def test_a_decode_instance_of_another_layout_refuses_and_names_the_layer(
     engine: EngineProcess, models: dict[str, Path]
 ) -> None:
+    """MiMo with MTP on for the prefill and off for the decode (real speculative decoding: vLLM allocates the
+    drafter layer's KV on the prefill side only), then the same model with another block size on the prefill side.
+    The decode refuses both, names what differs, and computes the prompt."""
     a = prompts(seed=12, n=1, length=300)[0]
+    mimo = {"model": str(models["mimo"]), "load_format": "dummy", "prompts": [a]}
+    baseline = run_vllm(mimo | {"engine": None})["outputs"]
+    prefill = {**mimo, "engine": engine.target, "kv_role": "kv_producer", "max_tokens": 1}
+    decode = {**mimo, "engine": engine.target, "kv_role": "kv_consumer"}
+
+    mtp = run_vllm(prefill | {"speculative": MTP, "kv_transfer_params": [HAND_OVER]})
+    refused = run_vllm(decode | {"kv_transfer_params": mtp["kv_transfer_params"]})
+    assert refused["outputs"] == baseline and refused["external_hits"] == 0
+    assert "refusing the prefill's KV" in refused["stderr"]
+    assert f"layer '{DRAFTER}' only in the other" in refused["stderr"]
+
+    small = run_vllm(prefill | {"block_size": 64, "kv_transfer_params": [HAND_OVER]})
+    refused = run_vllm(decode | {"kv_transfer_params": small["kv_transfer_params"]})
+    assert refused["outputs"] == baseline and refused["external_hits"] == 0
+    assert "block_size: " in refused["stderr"] and " 128, the other 64" in refused["stderr"]
+    assert engine.metric("kvseal_leases") == 0  # the refused holds were ended by the decode side
+
+
+def test_prefill_and_decode_on_two_nodes_get_the_kv_through_peer_fetch_or_recompute(
+    meta: Any, engine_factory: Any, models: dict[str, Path]
+) -> None:
+    """P on node a, D on node c, one MetaServer: D's engine fetches the prefill's blocks from a. Then node a is
+    killed after its prefill and before D loads: D waits for the blocks (PD_WAIT_S), gets none, computes the
+    prompt itself, and answers as a single instance does."""
+    m = meta()
+    a, c = (engine_factory("--metaserver", f"127.0.0.1:{m.port}", "--node-id", n) for n in "ac")
+    model = str(models["llama4"])
+    first, second = prompts(seed=14, n=2, length=300)
+    baseline = run_vllm({"model": model, "prompts": [first, second], "engine": None})["outputs"]
     prefill = run_vllm(
         {
-            "model": str(models["llama5"]),
-            "prompts": [a],
-            "engine": engine.target,
+            "model": model,
+            "prompts": [first, second],
+            "engine": a.target,
             "kv_role": "kv_producer",
             "max_tokens": 1,
-            "kv_transfer_params": [HAND_OVER],
+            "kv_transfer_params": [HAND_OVER, HAND_OVER],
         }
     )
-    model = str(models["llama4"])
-    baseline = run_vllm({"model": model, "prompts": [a], "engine": None})["outputs"]
-    decode = run_vllm(
-        {
-            "model": model,
-            "prompts": [a],
-            "engine": engine.target,
-            "kv_role": "kv_consumer",
-            "kv_transfer_params": prefill["kv_transfer_params"],
-        }
-    )
-    assert decode["outputs"] == baseline and decode["external_hits"] == 0
-    assert "refusing the prefill's KV" in decode["stderr"]
-    assert "layer 'model.layers.4.self_attn.attn' only in the other" in decode["stderr"]
+    handed = prefill["kv_transfer_params"]
+    assert [p["kvseal"]["node_id"] for p in handed] == ["a", "a"]
+    assert all(p["kvseal"]["lease_id"] > 0 for p in handed)  # held while P lived; its blocks stay resident
+    wait_until(lambda: a.metric("kvseal_meta_announced_total") == 4, 30, "node a's four full blocks announced")
 
-    # the same model with another block size on the prefill side
-    small = run_vllm(
-        {
-            "model": model,
-            "prompts": [a],
-            "engine": engine.target,
-            "kv_role": "kv_producer",
-            "max_tokens": 1,
-            "block_size": 64,
-            "kv_transfer_params": [HAND_OVER],
-        }
-    )
-    decode = run_vllm(
-        {
-            "model": model,
-            "prompts": [a],
-            "engine": engine.target,
-            "kv_role": "kv_consumer",
-            "kv_transfer_params": small["kv_transfer_params"],
-        }
-    )
-    assert decode["outputs"] == baseline and decode["external_hits"] == 0
-    assert "block_size: " in decode["stderr"] and " 128, the other 64" in decode["stderr"]
+    decode = {"model": model, "engine": c.target, "kv_role": "kv_consumer"}
+    fetched = run_vllm(decode | {"prompts": [first], "kv_transfer_params": handed[:1]})
+    assert fetched["outputs"] == baseline[:1]
+    assert fetched["external_hits"] == 2 * BLOCK
+    assert c.metric("kvseal_peer_hits_total") == 2 and a.metric("kvseal_peer_served_blocks_total") == 2
+    [ns_a], [ns_c] = a.get_json("/v1/namespaces"), c.get_json("/v1/namespaces")
+    assert ns_c["namespace"] == ns_a["namespace"] == handed[0]["kvseal"]["namespace_final"]
+
+    a.kill()  # the prefill's node dies with the second prompt's blocks held, announced, never fetched
+    recomputed = run_vllm(decode | {"prompts": [second], "kv_transfer_params": handed[1:]})
+    assert recomputed["outputs"] == baseline[1:]
+    assert recomputed["external_hits"] == 0
+    assert "0 of the prefill's 2 blocks reached this engine" in recomputed["stderr"]
+    assert c.metric("kvseal_peer_hits_total") == 2  # nothing more came from a
 
 
 class Router:
@@ -182,20 +204,35 @@ def _streamed_token_ids(raw: bytes) -> list[int]:
 def test_the_router_sends_prefill_then_decode_and_answers_as_one_instance(
     engine: EngineProcess, vllm_server: Callable[..., Any], models: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Real vLLM OpenAI servers on one engine: P (kv_producer), D (kv_consumer) and P5, a prefill instance of
-    another layout (one layer more) under the same model name. Through `kvseal router`: completions (plain and
-    streamed) equal a no-connector run's and D's prompt blocks come from the prefill through kvseal; P5 in front
-    of D is refused with an HTTP error naming the extra layer."""
-    llama4, llama5 = models["llama4"], models["llama5"]
-    named = ("--served-model-name", "llama")  # one model name for all: the router probes D with the client's
-    p = vllm_server(llama4, engine.target, "kv_producer", wait=False, extra=named)
-    d = vllm_server(llama4, engine.target, "kv_consumer", wait=False, extra=named)
-    p5 = vllm_server(llama5, engine.target, "kv_producer", wait=False, extra=named)
+    """Real vLLM OpenAI servers on one engine, all serving MiMo: P (kv_producer), D (kv_consumer) and P-MTP, a
+    prefill instance with MTP speculative decoding on, under the same model name. Through `kvseal router`:
+    completions (plain and streamed) and chat completions equal a no-connector run's, and D's prompt blocks come
+    from the prefill through kvseal; an abandoned hold ends by its TTL; P-MTP in front of D is refused with an HTTP
+    error naming the drafter layer."""
+    mimo = models["mimo"]
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")  # the content alone
+    named = ("--served-model-name", "mimo", "--load-format", "dummy", "--chat-template", str(template))
+    p = vllm_server(mimo, engine.target, "kv_producer", wait=False, extra=named)
+    d = vllm_server(mimo, engine.target, "kv_consumer", wait=False, extra=named)
+    p_mtp = vllm_server(mimo, engine.target, "kv_producer", wait=False, extra=named + _speculative(MTP))
     prompt = prompts(seed=13, n=1, length=300)[0]
-    expected = run_vllm({"model": str(llama4), "prompts": [prompt], "engine": None})["outputs"][0]  # meanwhile
-    for server in (p, d, p5):
+    text = _words(seed=13, n=150)
+    chat_ids = _tokenize(mimo, text)
+    assert len(chat_ids) > 2 * BLOCK
+    expected, expected_chat = run_vllm(  # meanwhile
+        {"model": str(mimo), "load_format": "dummy", "prompts": [prompt, chat_ids], "engine": None}
+    )["outputs"]
+    for server in (p, d, p_mtp):
         server.wait_ready()
-    body = {"model": "llama", "prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    body = {"model": "mimo", "prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    chat = {
+        "model": "mimo",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
 
     router = Router(tmp_path, [p.base], [d.base])
     try:
@@ -209,6 +246,14 @@ def test_the_router_sends_prefill_then_decode_and_answers_as_one_instance(
         code, raw = router.post("/v1/completions", body | {"stream": True})
         assert code == 200 and _streamed_token_ids(raw) == expected
         assert d.metric_total("vllm:external_prefix_cache_hits_total") == 4 * BLOCK
+        code, raw = router.post("/v1/chat/completions", chat)
+        assert code == 200, raw
+        answer = json.loads(raw)
+        assert answer["prompt_token_ids"] == chat_ids
+        assert answer["choices"][0]["token_ids"] == expected_chat
+        assert (
+            d.metric_total("vllm:external_prefix_cache_hits_total") == 4 * BLOCK + (len(chat_ids) - 1) // BLOCK * BLOCK
+        )
     finally:
         router.stop()
     wait_until(lambda: engine.metric("kvseal_leases") == 0, 30, "the prefill's holds to end once D loaded")
@@ -224,10 +269,31 @@ def test_the_router_sends_prefill_then_decode_and_answers_as_one_instance(
     assert engine.metric("kvseal_leases") == 1
     wait_until(lambda: engine.metric("kvseal_leases") == 0, 45, "the abandoned hold to end by its TTL")
 
-    mismatched = Router(tmp_path, [p5.base], [d.base])
+    mismatched = Router(tmp_path, [p_mtp.base], [d.base])
     try:
-        code, raw = mismatched.post("/v1/completions", body)
-        assert code == 409, raw
-        assert "model.layers.4.self_attn.attn" in json.loads(raw)["error"]["message"]
+        for path, request_body in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+            code, raw = mismatched.post(path, request_body)
+            assert code == 409, raw
+            assert DRAFTER in json.loads(raw)["error"]["message"]
     finally:
         mismatched.stop()
+
+
+def _speculative(config: dict[str, Any]) -> tuple[str, ...]:
+    return ("--speculative-config", json.dumps(config))
+
+
+def _words(seed: int, n: int) -> str:
+    """Text of the tiny tokenizer's kind of words (kvseal.testing.llama trains it on such syllables)."""
+    import random
+
+    rng = random.Random(seed)
+    syllables = [c + v for c in "bdfghjklmnprstvz" for v in "aeiou"]
+    return " ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(n))
+
+
+def _tokenize(model: Path, text: str) -> list[int]:
+    """The token ids vLLM's chat endpoint computes for `text` rendered alone (no special tokens added)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model / "tokenizer.json")).encode(text, add_special_tokens=False).ids

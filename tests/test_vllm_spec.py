@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from conftest import EngineProcess
-from vllm_support import TOKENIZER_FILES, prompts, run_vllm, run_vllm_raw, shared_model, vllm_env
+from vllm_support import config_only_model, mimo_model, prompts, run_vllm, run_vllm_raw, shared_model, vllm_env
 
 pytestmark = pytest.mark.process
 
@@ -27,15 +27,6 @@ LAYERS = 4
 
 def _config(model: Path) -> dict[str, Any]:
     return json.loads((model / "config.json").read_text())
-
-
-def _config_only_dir(out: Path, tokenizer_from: Path, config: dict[str, Any]) -> Path:
-    """A model dir with a config and a tokenizer but no weights (for load_format="dummy")."""
-    out.mkdir()
-    for name in TOKENIZER_FILES:
-        shutil.copy(tokenizer_from / name, out / name)
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -50,34 +41,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (nextn / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}, indent=1))
 
     # MiMo (Qwen2 + MTP): vLLM's "mtp" method adds one drafter layer, model.layers.{LAYERS}.self_attn.attn
-    mimo = _config_only_dir(
-        base / "mimo",
-        llama,
-        {
-            "architectures": ["MiMoForCausalLM"],
-            "model_type": "qwen2",
-            "hidden_size": 128,
-            "intermediate_size": 256,
-            "num_hidden_layers": LAYERS,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 32,  # the CPU attention kernels need head_dim >= 32
-            "vocab_size": cfg["vocab_size"],
-            "max_position_embeddings": 4096,
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 10000.0,
-            "hidden_act": "silu",
-            "tie_word_embeddings": False,
-            "torch_dtype": "float32",
-            "bos_token_id": cfg["bos_token_id"],
-            "eos_token_id": cfg["eos_token_id"],
-            "num_nextn_predict_layers": 1,
-            "use_sliding_window": False,
-        },
-    )
+    mimo = mimo_model(base / "mimo", llama, LAYERS)
 
     # a one-layer EAGLE draft for the Llama (same hidden size), config only
-    eagle = _config_only_dir(
+    eagle = config_only_model(
         base / "eagle-draft", llama, {**cfg, "architectures": ["EagleLlamaForCausalLM"], "num_hidden_layers": 1}
     )
     return {"llama": llama, "llama-nextn": nextn, "mimo": mimo, "eagle-draft": eagle}

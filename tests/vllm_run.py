@@ -2,10 +2,10 @@
 
     python vllm_run.py '{"model": DIR, "prompts": [[ids...], ...], "engine": "127.0.0.1:50055" | null, ...}'
 
-Keys: model, prompts, engine (null = no connector), namespace, mode and timeout_s (kvseal.mode, kvseal.timeout_s),
-block_size (128), dtype (float32), max_tokens (8), connector ("KVSealConnector" or "ExampleConnector"), storage
-(ExampleConnector's path), speculative (a dict), load_format, no_prefix_caching, hash_algo
-(prefix_caching_hash_algo), kv_role (kv_both), kv_transfer_params (one dict or null per prompt: the request's
+Keys: model, prompts, engine (null = no connector), namespace, mode, timeout_s, pd_timeout_s and sync_load_bytes
+(kvseal.*), block_size (128), dtype (float32), max_tokens (8), connector ("KVSealConnector" or
+"ExampleConnector"), storage (ExampleConnector's path), speculative (a dict), load_format, no_prefix_caching,
+hash_algo (prefix_caching_hash_algo), kv_role (kv_both), kv_transfer_params (one dict or null per prompt: the request's
 P/D parameters), interactive (read prompts from stdin instead, answer with "STEP {...}" lines).
 Each prompt runs in its own generate() call, in order. Output: {"outputs": [[ids]...], "external_hits": N,
 "seconds": [...], "kv_transfer_params": [...]} where external_hits is vLLM's own count of tokens served by the
@@ -51,7 +51,7 @@ def main() -> None:
         )
     elif args.get("engine"):
         extra = {"kvseal.engine": args["engine"]}
-        for key in ("namespace", "mode", "timeout_s"):
+        for key in ("namespace", "mode", "timeout_s", "pd_timeout_s", "sync_load_bytes"):
             if args.get(key) is not None:
                 extra[f"kvseal.{key}"] = args[key]
         kwargs["kv_transfer_config"] = KVTransferConfig(

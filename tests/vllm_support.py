@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,6 +52,47 @@ def shared_model(factory: pytest.TempPathFactory, **kwargs: Any) -> Path:
     """build_model once per pytest session for these arguments, shared by the modules that ask for the same."""
     name = "-".join(f"{k}{v}" for k, v in sorted(kwargs.items())) or "default"
     return build_model(factory.getbasetemp() / "vllm-models" / name, **kwargs)
+
+
+def config_only_model(out: Path, tokenizer_from: Path, config: dict[str, Any]) -> Path:
+    """A model dir with a config and a tokenizer but no weights (for load_format="dummy")."""
+    if not (out / "config.json").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        for name in TOKENIZER_FILES:
+            shutil.copy(tokenizer_from / name, out / name)
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
+def mimo_model(out: Path, llama: Path, layers: int) -> Path:
+    """MiMo (Qwen2 with one MTP layer in its config), config only, with the tokenizer of the Llama at `llama`: with
+    speculative decoding on (method "mtp") vLLM adds the drafter layer model.layers.{layers}.self_attn.attn."""
+    cfg = json.loads((llama / "config.json").read_text())
+    return config_only_model(
+        out,
+        llama,
+        {
+            "architectures": ["MiMoForCausalLM"],
+            "model_type": "qwen2",
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,  # the CPU attention kernels need head_dim >= 32
+            "vocab_size": cfg["vocab_size"],
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+            "bos_token_id": cfg["bos_token_id"],
+            "eos_token_id": cfg["eos_token_id"],
+            "num_nextn_predict_layers": 1,
+            "use_sliding_window": False,
+        },
+    )
 
 
 def run_vllm_raw(args: dict[str, Any], env: dict[str, str]) -> subprocess.CompletedProcess[str]:

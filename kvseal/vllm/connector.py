@@ -8,13 +8,17 @@ identity, kvseal.vllm.identity), `kvseal.mode` (read_write | save_only | load_on
 `kvseal.timeout_s` (deadline of every engine call in seconds, default 5: a wedged engine costs at most that),
 `kvseal.engine_uid` (the engine's user, a uid or name, when it is neither root nor vLLM's: the connector hands its KV
 memory only to a lane served by root, its own user or this one), `kvseal.pd_timeout_s` (how long a prefill holds
-its blocks for the decode instance, default 30).
+its blocks for the decode instance, default 30), `kvseal.sync_load_bytes` (loads of at most this many bytes per
+worker run in the step that schedules the request, default 64 MiB; 0: every load is asynchronous).
 
 Scheduler side (one per vLLM instance): asks the engine, through the local lane, how many of a waiting request's
-block hashes beyond vLLM's own hit are resident; the engine pins them under a lease. vLLM then allocates blocks
-and the load runs asynchronously on the workers (the request waits in WAITING_FOR_REMOTE_KVS). Every step it also
-plans the saves of blocks that became full. Never claims the last prompt token, and with an EAGLE-style drafter
-(eagle, eagle3, mtp …) not the last block of the hit either, exactly as vLLM drops it from its own prefix-cache hit.
+block hashes beyond vLLM's own hit are resident; the engine pins them under a lease. vLLM then allocates blocks.
+A small load (at most `kvseal.sync_load_bytes` on each worker: ~9 ms at this machine class's 7 GB/s) runs
+synchronously at the start of the step that computes the rest of the prompt, as vLLM's ExampleConnector's loads
+do; a larger one runs asynchronously, the request waiting in WAITING_FOR_REMOTE_KVS for one step more, so that a
+long copy does not stall the other requests' step. Every step it also plans the saves of blocks that became full.
+Never claims the last prompt token, and with an EAGLE-style drafter (eagle, eagle3, mtp …) not the last block of
+the hit either, exactly as vLLM drops it from its own prefix-cache hit.
 
 One KV cache group only: kvseal saves and loads one block id per hash for all of a worker's layers, so a config to
 which vLLM gives several block tables is refused at start (check_one_kv_cache_group says when vLLM does).
@@ -78,6 +82,9 @@ MODES = ("read_write", "save_only", "load_only")
 RETRY_INTERVAL_S = 1.0  # at most one registration attempt per interval
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_PD_TIMEOUT_S = 30.0
+# A synchronous load saves a scheduler step (vLLM's own local-hit path pays none) but holds up the step of every
+# other request while it copies; 64 MiB copies in ~5-9 ms on this machine class, about a decode step.
+DEFAULT_SYNC_LOAD_BYTES = 64 << 20
 PD_WAIT_S = 3.0  # how long a decode request waits for the prefill's blocks to reach its engine (another node's)
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
@@ -92,6 +99,7 @@ class LoadJob:
     hashes: list[bytes]
     block_ids: list[int]
     lease_id: int
+    sync: bool  # loaded in the step that schedules the request (vLLM's load_kv_async False): not reported finished
 
 
 @dataclass
@@ -113,6 +121,7 @@ class _Pending:
     start: int  # first block index the lease covers
     hits: int  # blocks claimed (at most the engine's hits)
     lease_id: int
+    sync: bool
 
 
 class _Outage:
@@ -248,6 +257,14 @@ def _seconds(extra: dict[str, Any], key: str, default: float) -> float:
     return seconds
 
 
+def _bytes(extra: dict[str, Any], key: str, default: int) -> int:
+    """A non-negative whole number of bytes from the extra config, or ValueError naming the key."""
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key} must be a non-negative whole number of bytes, got {value!r}")
+    return value
+
+
 def _engine_uid(extra: dict[str, Any]) -> int | None:
     """`kvseal.engine_uid`: the user the engine runs as (a uid or a user name) when neither root nor vLLM's user."""
     value = extra.get("kvseal.engine_uid")
@@ -285,6 +302,9 @@ class KVSealConnector(KVConnectorBase_V1):
             # a failed or refused load must make vLLM recompute, never fail the request
             transfer.kv_load_failure_policy = "recompute"
             self._drop_last_block = drops_last_hit_block(vllm_config, kv_cache_config)
+            [group] = kv_cache_config.kv_cache_groups  # one KV cache group (check_one_kv_cache_group)
+            self._block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)  # per worker
+            self._sync_load_bytes = _bytes(extra, "kvseal.sync_load_bytes", DEFAULT_SYNC_LOAD_BYTES)
             self._pending: dict[str, _Pending] = {}
             self._tracked: dict[str, _Tracked] = {}
             self._requests: dict[str, Any] = {}
@@ -331,16 +351,27 @@ class KVSealConnector(KVConnectorBase_V1):
                 self._refuse(request.request_id, prefill, q.namespace_final)
                 return 0, False  # computed here instead: never KV of another layout
             self._holds[request.request_id] = prefill
-            if q.hits < min(len(prefill.get("block_hashes", ())), limit - start) and self._wait(request.request_id):
-                self._release(q.lease_id)
-                return None, False  # the prefill's blocks are on their way (another node announces them soon)
+            wanted = min(len(prefill.get("block_hashes", ())), limit - start)
+            if q.hits < wanted:
+                if self._wait(request.request_id):
+                    self._release(q.lease_id)
+                    return None, False  # the prefill's blocks are on their way (another node announces them soon)
+                log.warning(
+                    "kvseal: request %s: %d of the prefill's %d blocks reached this engine in %.1f s; computing the "
+                    "rest here",
+                    request.request_id,
+                    q.hits,
+                    wanted,
+                    min(PD_WAIT_S, self.pd_timeout_s),
+                )
         hits = claimable_blocks(q.hits, self._drop_last_block)
         if hits == 0:
             self._release(q.lease_id)
             return 0, False
-        self._pending[request.request_id] = _Pending(start, hits, q.lease_id)
+        sync = hits * self._block_bytes <= self._sync_load_bytes
+        self._pending[request.request_id] = _Pending(start, hits, q.lease_id, sync)
         self._requests[request.request_id] = request
-        return hits * self.block_size, True  # loaded by the workers before the request is scheduled
+        return hits * self.block_size, not sync
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._requests[request.request_id] = request
@@ -359,8 +390,13 @@ class KVSealConnector(KVConnectorBase_V1):
                 list(request.block_hashes[pending.start : end]),
                 list(block_ids[pending.start : end]),
                 pending.lease_id,
+                pending.sync,
             )
         )
+        if pending.sync:  # this engine's own lease pins the blocks until they are loaded: the prefill's hold can go
+            hold = self._holds.pop(request.request_id, None)
+            if hold is not None:
+                self._end_hold(hold)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVSealConnectorMetadata(loads=self._loads)
@@ -631,7 +667,8 @@ class KVSealConnector(KVConnectorBase_V1):
                     if r.outcome == pb.LoadResponse.REFUSED:
                         log.warning("kvseal refused a load of request %s: %s", job.req_id, r.message)
             self._load_errors.update(job.block_ids[loaded:])
-            self._finished_loads.add(job.req_id)
+            if not job.sync:
+                self._finished_loads.add(job.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass  # loads complete in start_load_kv
