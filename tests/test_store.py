@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvseal.core.layout import LayerGeometry, Layout, build_layout
-from kvseal.core.store import INFLIGHT, SEALED, BlockStore, LoadPlan, SavePlan
+from kvseal.core.store import DRAIN_PASSES, INFLIGHT, SEALED, BlockStore, LoadPlan, SavePlan
 from kvseal.errors import NotFound
 from kvseal.testing.clock import FakeClock
 
@@ -31,7 +31,7 @@ def mask(layout: Layout, tp_rank: int) -> int:
     return sum(1 << layout.slot(layer_id, tp_rank) for layer_id in range(len(layout.layers)))
 
 
-def make_store(arena: int, slab: int, clock: FakeClock) -> BlockStore:
+def make_store(arena: int, slab: int, clock: FakeClock, reclaim_step_pages: int = 2048) -> BlockStore:
     return BlockStore(
         arena,
         slab_bytes=slab,
@@ -39,6 +39,7 @@ def make_store(arena: int, slab: int, clock: FakeClock) -> BlockStore:
         wall_clock=lambda: 1.7e9,
         inflight_timeout_s=INFLIGHT_TIMEOUT,
         lease_ttl_s=LEASE_TTL,
+        reclaim_step_pages=reclaim_step_pages,
     )
 
 
@@ -593,6 +594,145 @@ def test_fingerprint_collision_is_refused(clock: FakeClock, other: Layout, reaso
     assert store.begin_load(ns, BASE, [h(1), h(2)]).outcome == "loaded"
 
 
+# ------------------------------------------------------------------------------------------ emptying a slab in steps
+
+TINY = build_layout(16, 1, [geo("model.layers.0.attn", 64)])  # 64-byte pages: 1024 in a 64 KiB slab
+BIG = build_layout(16, 1, [geo("model.layers.0.attn", 4096)])  # 4 KiB pages: 16 in a 64 KiB slab
+TINY_SLAB = 1 << 16
+STEP = 100
+
+
+def tiny_pool(clock: FakeClock) -> tuple[BlockStore, int, int, list[bytes]]:
+    """A one-slab pool full of 1024 sealed 64-byte pages, emptied STEP page ids at a time."""
+    store = make_store(TINY_SLAB, TINY_SLAB, clock, reclaim_step_pages=STEP)
+    ns_tiny, ns_big = store.namespace("m.tiny", TINY), store.namespace("m.big", BIG)
+    tiny = [h(i) for i in range(1024)]
+    for i in range(0, 1024, 256):
+        save(store, ns_tiny, TINY, tiny[i : i + 256])
+    assert store.statistics().free_bytes == 0 and store.statistics().resident_blocks == 1024
+    return store, ns_tiny, ns_big, tiny
+
+
+def step(store: BlockStore, ns: int, layout: Layout, hashes: list[bytes]) -> bool:
+    """One reclaim() call, checked: it looks at no more than STEP page ids and evicts no more than STEP pages."""
+    evictions, slab, at = store.statistics().evictions, store.reclaiming(), store._drain_at
+    more = store.reclaim(ns, layout, hashes)
+    assert store.statistics().evictions - evictions <= STEP
+    if store.reclaiming() >= 0 and store.reclaiming() == slab:
+        assert 0 < store._drain_at - at <= STEP or store._drain_at < at  # within the pass, or a new pass began
+    check(store)
+    return more
+
+
+def test_a_slab_of_many_small_pages_is_emptied_in_bounded_steps(clock: FakeClock) -> None:
+    store, ns_tiny, ns_big, tiny = tiny_pool(clock)
+    steps = 0
+    while step(store, ns_big, BIG, [h(5000)]):
+        steps += 1
+        if store.reclaiming() >= 0:  # between steps the slab is in use: its pages not yet passed still answer
+            assert store.query(ns_tiny, TINY, [tiny[-1]], "inst", 1).hits == 1
+            store.release_owner("inst")
+    assert steps == -(-1024 // STEP)  # ceil(1024 / STEP): each step looked at STEP page ids, the last at the rest
+    assert store.reclaiming() == -1 and store.statistics().evictions == 1024
+    plan = store.begin_save(ns_big, BIG, [h(5000)], 1)
+    assert plan.not_stored == 0 and store.statistics().evictions == 1024  # the free slab: nothing else went
+    store.finish_save(plan, ok=True)
+    assert resident(store, ns_tiny) == {} and list(resident(store, ns_big)) == [h(5000)]
+    check(store)
+
+
+def test_pages_pinned_or_written_during_the_steps_stay_until_a_later_pass(clock: FakeClock) -> None:
+    store, ns_tiny, ns_big, tiny = tiny_pool(clock)
+    assert step(store, ns_big, BIG, [h(5000)])  # page ids 0..99 looked at: those pages are gone
+    assert store.query(ns_tiny, TINY, [tiny[0]], "inst", 1).hits == 0
+    ahead = store.query(ns_tiny, TINY, [tiny[500]], "inst", 1)  # pinned before its step comes
+    assert ahead.hits == 1
+    # the tiny class, with no slab to take, reuses its own least recently used pages in place (pages of the slab
+    # being emptied): they are inflight while the copy runs, and sealed afterwards
+    writing = store.begin_save(ns_tiny, TINY, [h(9000), h(9001)], 1)
+    assert len(writing.pages) == 2 and store._state[writing.pages[0]] == INFLIGHT
+    check(store)
+    while store.reclaiming() >= 0 and store._drain_pass == 1:
+        assert step(store, ns_big, BIG, [h(5000)])
+    # the first pass is over: the pinned page and the two being written are still there
+    assert set(resident(store, ns_tiny)) == {tiny[500], h(9000), h(9001)}
+    assert store._state[store._namespaces[ns_tiny].index[tiny[500]]] == SEALED
+    store.finish_save(writing, ok=True)
+    store.release(ahead.lease_id, "inst")
+    while step(store, ns_big, BIG, [h(5000)]):
+        pass
+    assert resident(store, ns_tiny) == {} and store.statistics().evictions == 1024 + 2
+    assert save(store, ns_big, BIG, [h(5000)]).not_stored == 0
+    check(store)
+
+
+def test_a_slab_with_a_page_pinned_throughout_goes_back_to_its_class(clock: FakeClock) -> None:
+    store, ns_tiny, ns_big, tiny = tiny_pool(clock)
+    assert step(store, ns_big, BIG, [h(5000)])
+    lease = store.query(ns_tiny, TINY, [tiny[700]], "inst", 1)
+    calls = 1
+    while step(store, ns_big, BIG, [h(5000)]):
+        calls += 1
+    # one pass over the slab, and a second that evicted nothing: the slab cannot be emptied now
+    assert store.reclaiming() == -1 and calls == 2 * -(-1024 // STEP)
+    assert list(resident(store, ns_tiny)) == [tiny[700]] and store.statistics().evictions == 1023
+    assert store.begin_save(ns_big, BIG, [h(5000)], 1).not_stored == 1  # no room, and nothing more evicted
+    assert store.statistics().evictions == 1023
+    # the slab is its class's again, with 1023 free pages: a tiny save takes them without evicting
+    assert save(store, ns_tiny, TINY, [h(9000 + i) for i in range(1000)]).not_stored == 0
+    assert store.statistics().evictions == 1023
+    store.release(lease.lease_id, "inst")
+    check(store)
+
+
+def test_a_drain_gives_up_after_its_passes(clock: FakeClock) -> None:
+    """A pass that evicted something and left pages starts another (pages pinned when it went by may be free by
+    then); DRAIN_PASSES passes at most."""
+    store, ns_tiny, ns_big, tiny = tiny_pool(clock)
+    assert step(store, ns_big, BIG, [h(5000)])  # only a slab with nothing pinned starts being emptied
+    a = store.query(ns_tiny, TINY, [tiny[1022]], "inst", 1)
+    b = store.query(ns_tiny, TINY, [tiny[1023]], "other", 1)
+    passes = [1]
+    while step(store, ns_big, BIG, [h(5000)]):
+        if store.reclaiming() >= 0 and store._drain_pass not in passes:
+            passes.append(store._drain_pass)
+            if store._drain_pass == 2:  # the second pass finds one of the two pages free, the third none
+                store.release(a.lease_id, "inst")
+    assert passes == list(range(1, DRAIN_PASSES + 1)) and store.reclaiming() == -1
+    assert list(resident(store, ns_tiny)) == [tiny[1023]] and store.statistics().evictions == 1023
+    store.release(b.lease_id, "other")
+    check(store)
+
+
+def test_begin_save_alone_spends_one_step_and_reclaim_step_finishes(clock: FakeClock) -> None:
+    """Without reclaim() first (a refill), begin_save looks at STEP page ids of the slab at most and stores what
+    fits; reclaim_step() (the engine's tick) finishes the slab."""
+    store, _, ns_big, _ = tiny_pool(clock)
+    plan = store.begin_save(ns_big, BIG, [h(5000)], 1)
+    assert plan.not_stored == 1 and store.statistics().evictions == STEP and store.reclaiming() >= 0
+    check(store)
+    steps = 0
+    while store.reclaim_step():
+        steps += 1
+        assert store.statistics().evictions <= STEP * (steps + 1)
+        check(store)
+    assert store.statistics().evictions == 1024 and store.statistics().free_bytes == TINY_SLAB
+    assert save(store, ns_big, BIG, [h(5000)]).not_stored == 0
+    assert not store.reclaim_step()
+
+
+def test_reclaim_does_nothing_when_there_is_room_or_nothing_to_take(clock: FakeClock) -> None:
+    store, ns_tiny, ns_big, tiny = tiny_pool(clock)
+    assert not store.reclaim(ns_tiny, TINY, tiny[:10])  # all resident: no new page needed
+    assert not store.reclaim(ns_tiny, TINY, [h(9000)])  # its own LRU page will do
+    lease = store.query(ns_tiny, TINY, [tiny[0]], "inst", 1)
+    assert not store.reclaim(ns_big, BIG, [h(5000)])  # the only other slab has a pinned page: nothing starts
+    assert store.reclaiming() == -1 and store.statistics().evictions == 0
+    store.release(lease.lease_id, "inst")
+    with pytest.raises(ValueError, match="reclaim_step_pages"):
+        make_store(TINY_SLAB, TINY_SLAB, clock, reclaim_step_pages=0)
+
+
 # ------------------------------------------------------------------------------------------ state machine
 
 
@@ -633,10 +773,10 @@ class ModelLoad:
 
 
 class StoreMachine(RuleBasedStateMachine):
-    @initialize(n_slabs=st.integers(1, 3))
-    def setup(self, n_slabs: int) -> None:
+    @initialize(n_slabs=st.integers(1, 3), reclaim_step=st.sampled_from((1, 2, 3, 2048)))
+    def setup(self, n_slabs: int, reclaim_step: int) -> None:
         self.clock = FakeClock()
-        self.store = make_store(n_slabs * SLAB, SLAB, self.clock)
+        self.store = make_store(n_slabs * SLAB, SLAB, self.clock, reclaim_step_pages=reclaim_step)
         self.ns = {name: self.store.namespace(nsf, lay) for name, (lay, nsf, _) in INSTANCES.items()}
         self.saves: list[tuple[str, SavePlan, list[bytes]]] = []
         self.loads: list[ModelLoad] = []
@@ -746,6 +886,33 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.store.release_owner(instance) == len(ours)
         for i in ours:
             del self.leases[i]
+
+    @rule()
+    def settle(self) -> None:
+        """Every open save and load finishes and every lease is released: slabs can be emptied again."""
+        while self.saves:
+            self.finish_save(0, True)
+        while self.loads:
+            self.finish_load(0)
+        for lease_id in sorted(self.leases):
+            self.store.release(lease_id, self.leases.pop(lease_id).instance)
+
+    @rule(instance=instances, hashes=hash_lists)
+    def reclaim(self, instance: str, hashes: list[bytes]) -> None:
+        """One step of emptying a slab for a save of `hashes`, at any point between the other calls."""
+        evictions = self.store.statistics().evictions
+        self.store.reclaim(self.ns[instance], INSTANCES[instance][0], hashes)
+        self.expired()
+        assert self.store.statistics().evictions - evictions <= self.store.reclaim_step_pages
+
+    @rule()
+    def reclaim_step(self) -> None:
+        evictions, at = self.store.statistics().evictions, self.store._drain_at
+        draining = self.store.reclaiming()
+        assert self.store.reclaim_step() == (self.store.reclaiming() >= 0)
+        assert self.store.statistics().evictions - evictions <= self.store.reclaim_step_pages
+        if draining >= 0 and self.store.reclaiming() == draining and self.store._drain_at > at:
+            assert self.store._drain_at - at <= self.store.reclaim_step_pages
 
     @rule(seconds=st.sampled_from((0.5, 4.0, 6.0, 31.0, 61.0)))
     def advance(self, seconds: float) -> None:

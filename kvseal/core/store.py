@@ -24,6 +24,18 @@ class whose pages are all evictable (or fails without evicting anything). A slab
 back to the pool. Page ids are carved from a slab on first use and the slab keeps the list of its ids, so
 emptying it costs its own pages only.
 
+Emptying a slab is done in bounded steps (a slab of 64-byte pages holds a million of them): the slab is *drained*,
+at most `reclaim_step_pages` of its page ids looked at per call, and handed back to the pool when its last page
+goes. One slab drains at a time, and only a slab with no pinned or inflight page starts. While it drains it takes
+no new pages (it is in no class's partial set), and its pages stay what they were until their step comes: sealed
+ones answer queries and may be pinned, its own class may still reuse its least recently used ones in place. A step
+evicts only sealed unpinned pages; a page that is pinned or inflight when the step passes it is left, and a pass
+that ends with pages left starts another if it evicted anything (at most DRAIN_PASSES passes: a lease's pins are
+mostly short), else the drain stops and the slab goes back to its class with whatever is free in it.
+`reclaim()` is the engine's way in: it takes one step when a save would need another class's slab, and says
+whether to call again (the engine releases its lock between calls); `begin_save` itself spends at most one step's
+worth of page ids on it (a refill has no loop around it), and `reclaim_step()` continues a drain begun there.
+
 Accounting: free_bytes + inflight_bytes + sealed_bytes == arena_bytes at all times (check_invariants()).
 
 Per page metadata lives in typed arrays indexed by page id (no object per page) to keep a resident block
@@ -52,6 +64,10 @@ from kvseal.errors import NotFound
 FREE, INFLIGHT, SEALED, SENTINEL = 0, 1, 2, 3
 PAGE_ALIGN = 64
 PAGE_TABLE_CHUNK = 4096  # page ids the page table grows by when none is free
+# page ids a slab's drain looks at per step: ~0.7 µs each when evicted (CPython 3.11, 2 vCPUs), so ~1.5 ms a step,
+# well under the interpreter's 5 ms switch interval (a step that outlasts it may wait that long again for the GIL)
+RECLAIM_STEP_PAGES = 2048
+DRAIN_PASSES = 3  # passes over a draining slab before it is given up (pages pinned or written meanwhile)
 
 
 @dataclass(slots=True)
@@ -147,7 +163,11 @@ class BlockStore:
         wall_clock: Callable[[], float] = time.time,
         inflight_timeout_s: float = 60.0,
         lease_ttl_s: float = 30.0,
+        reclaim_step_pages: int = RECLAIM_STEP_PAGES,
     ) -> None:
+        """`reclaim_step_pages`: the most page ids one call looks at while emptying a slab for another class."""
+        if reclaim_step_pages < 1:
+            raise ValueError(f"reclaim_step_pages must be >= 1, got {reclaim_step_pages}")
         slab_bytes = min(slab_bytes, arena_bytes) // PAGE_ALIGN * PAGE_ALIGN
         if slab_bytes <= 0:
             raise ValueError(f"arena of {arena_bytes} bytes is too small")
@@ -158,14 +178,20 @@ class BlockStore:
         self._wall_clock = wall_clock
         self.inflight_timeout_s = inflight_timeout_s
         self.lease_ttl_s = lease_ttl_s
+        self.reclaim_step_pages = reclaim_step_pages
 
         # slabs
         self._free_slabs = list(range(self.n_slabs - 1, -1, -1))
         self._slab_class = [-1] * self.n_slabs
         self._slab_pages = [array("i") for _ in range(self.n_slabs)]  # ids carved from the slab, in offset order
-        self._slab_free_ids: list[list[int]] = [[] for _ in range(self.n_slabs)]  # carved ids not in use
+        # carved ids not in use; arrays, like the lists of ids, so that a slab changes hands in a memcpy
+        self._slab_free_ids = [array("i") for _ in range(self.n_slabs)]
         self._slab_used = [0] * self.n_slabs
         self._slab_busy = [0] * self.n_slabs  # inflight or pinned pages: a slab with none can be emptied
+        self._drain = -1  # the slab being emptied for another class, in steps (-1: none)
+        self._drain_at = 0  # its next page, as an index into its page ids
+        self._drain_pass = 0  # passes over it begun so far
+        self._drain_evicted = False  # whether the current pass evicted anything
 
         # size classes
         self._class_of_size: dict[int, int] = {}
@@ -173,6 +199,7 @@ class BlockStore:
         self._class_capacity: list[int] = []
         self._class_partial: list[dict[int, None]] = []  # slabs with room, as an ordered set
         self._class_lru: list[int] = []  # sentinel page id of the class's LRU ring
+        self._lru_len: list[int] = []  # pages in the class's LRU ring (its evictable pages)
 
         # pages (typed arrays indexed by page id)
         self._offset = array("q")
@@ -184,7 +211,7 @@ class BlockStore:
         self._ns_of = array("i")
         self._writers = array("i")  # open save plans naming an inflight page
         self._hash: list[bytes | None] = []
-        self._free_page_ids: list[int] = []  # ids in no slab, popped from the end
+        self._free_page_ids = array("i")  # ids in no slab, popped from the end
 
         self._layouts: list[Layout] = []
         self._layout_ids: dict[bytes, int] = {}
@@ -447,6 +474,8 @@ class BlockStore:
         ns = self._namespaces[ns_id]
         state, pins, prev, nxt = self._state, self._pins, self._prev, self._next
         freed = [pid for pid in ns.index.values() if state[pid] == SEALED and pins[pid] == 0]
+        if freed:
+            self._lru_len[self._slab_class[self._slab_of[freed[0]]]] -= len(freed)  # one namespace: one class
         for pid in freed:
             p, q = prev[pid], nxt[pid]
             nxt[p] = q
@@ -603,6 +632,7 @@ class BlockStore:
             self._class_bytes.append(aligned)
             self._class_capacity.append(self.slab_bytes // aligned)
             self._class_partial.append({})
+            self._lru_len.append(0)
             (sentinel,) = self._new_page_ids(1)
             self._state[sentinel] = SENTINEL
             self._prev[sentinel] = self._next[sentinel] = sentinel
@@ -632,7 +662,7 @@ class BlockStore:
                 arr.frombytes(bytes(PAGE_TABLE_CHUNK * arr.itemsize))
             self._hash.extend([None] * PAGE_TABLE_CHUNK)
             self._free_page_ids.extend(range(start + PAGE_TABLE_CHUNK - 1, start - 1, -1))
-        pids = self._free_page_ids[-n:]
+        pids = self._free_page_ids[-n:].tolist()
         del self._free_page_ids[-n:]
         pids.reverse()  # popped from the end: the lowest ids first
         return pids
@@ -641,16 +671,18 @@ class BlockStore:
         """Up to n pages of class c, counted as used in their slabs (their state is the caller's to set); fewer
         only when the pool has no more room for the class. In order of preference: free pages of slabs the class
         holds, free slabs, the class's own least recently used pages (evicted and reused in place), whole slabs of
-        other classes (emptied)."""
+        other classes (emptied, looking at no more than reclaim_step_pages of their page ids in this call: the rest
+        of a big slab is left to reclaim() or reclaim_step(), and fewer pages come back meanwhile)."""
         out: list[int] = []
         partial, capacity = self._class_partial[c], self._class_capacity[c]
+        budget = self.reclaim_step_pages
         while len(out) < n:
             if partial:
                 slab = next(iter(partial))
                 free_ids = self._slab_free_ids[slab]
                 room = min(n - len(out), capacity - self._slab_used[slab])
                 if free_ids:
-                    took = free_ids[-room:]
+                    took = free_ids[-room:].tolist()
                     del free_ids[-len(took) :]
                     took.reverse()  # the most recently freed first
                 else:
@@ -666,7 +698,9 @@ class BlockStore:
                 partial[slab] = None
             elif victims := self._evict_lru(c, n - len(out)):
                 out += victims
-            elif not self._empty_slab_for(c):
+            elif budget > 0 and (spent := self._reclaim_for(c, budget)):
+                budget -= spent
+            else:
                 break
         return out
 
@@ -692,7 +726,7 @@ class BlockStore:
         self._slab_used[slab] -= 1
         if self._slab_used[slab] == 0:  # give the whole slab back so any class can use it
             self._release_slab(slab)
-        else:
+        elif slab != self._drain:  # a draining slab takes no new pages
             self._class_partial[self._slab_class[slab]][slab] = None
 
     def _release_slab(self, slab: int) -> None:
@@ -700,44 +734,124 @@ class BlockStore:
         self._class_partial[self._slab_class[slab]].pop(slab, None)
         self._free_page_ids.extend(self._slab_pages[slab])
         self._slab_pages[slab] = array("i")
-        self._slab_free_ids[slab] = []
+        self._slab_free_ids[slab] = array("i")
         self._slab_class[slab] = -1
         self._free_slabs.append(slab)
+        if slab == self._drain:
+            self._drain = -1
 
-    def _empty_slab_for(self, c: int) -> bool:
-        """Nothing evictable in class c: empties the emptiest slab of another class whose pages are all evictable
-        and gives it back to the pool. Returns False, changing nothing, when there is none."""
-        candidates = [s for s in range(self.n_slabs) if self._slab_class[s] not in (-1, c) and self._slab_busy[s] == 0]
-        if not candidates:
+    # ---------------------------------------------------------------- emptying slabs for other classes, in steps
+
+    def reclaim(self, ns_id: int, layout: Layout, hashes: Sequence[bytes]) -> bool:
+        """Makes room for a begin_save of `hashes` one bounded step at a time: True when it looked at up to
+        reclaim_step_pages page ids of a slab of another class that it is emptying, and more may be needed (call
+        again; the engine releases its lock in between, and begin_save goes ahead when this says False). False
+        when the class already has room (free pages of its slabs, free slabs, its own evictable pages) for the
+        hashes not yet in the namespace, or when no other class has a slab that can be emptied; begin_save then
+        stores what fits, as it always did."""
+        self.expire()
+        ns = self._namespaces[ns_id]
+        if self._layouts[ns.layout_id].digest != layout.digest:
+            return False  # refused by begin_save: nothing is stored
+        c = self._size_class(layout.page_bytes)
+        if self._room(c, len(hashes)):
             return False
-        slab = min(candidates, key=self._slab_used.__getitem__)
-        state, hash_of, ns_of, namespaces = self._state, self._hash, self._ns_of, self._namespaces
-        prev, nxt = self._prev, self._next
+        index = ns.index
+        new = len({h for h in hashes if h not in index})
+        if not new or self._room(c, new):
+            return False
+        return self._reclaim_for(c, self.reclaim_step_pages) > 0
+
+    def reclaim_step(self) -> bool:
+        """Continues the slab being emptied (one begun by a begin_save that had no reclaim() before it) by one
+        bounded step. Returns whether one is still being emptied."""
+        if self._drain >= 0:
+            self._drain_step(self.reclaim_step_pages)
+        return self._drain >= 0
+
+    def reclaiming(self) -> int:
+        """The slab being emptied for another class, or -1."""
+        return self._drain
+
+    def _room(self, c: int, n: int) -> bool:
+        """Whether class c can have n pages without emptying a slab of another class."""
+        room = self._lru_len[c] + len(self._free_slabs) * self._class_capacity[c]
+        if room >= n:
+            return True
+        capacity, used = self._class_capacity[c], self._slab_used
+        for slab in self._class_partial[c]:
+            room += capacity - used[slab]
+            if room >= n:
+                return True
+        return False
+
+    def _reclaim_for(self, c: int, budget: int) -> int:
+        """One step, of at most `budget` page ids, of emptying a slab of another class than c: the one being
+        emptied, or else the emptiest whose pages are all evictable. Returns the page ids looked at (0: there is
+        none, or the one being emptied is c's own, which gives c nothing)."""
+        if self._drain >= 0:
+            if self._slab_class[self._drain] == c:
+                return 0
+        else:
+            slab_class, busy = self._slab_class, self._slab_busy
+            candidates = [s for s in range(self.n_slabs) if slab_class[s] not in (-1, c) and busy[s] == 0]
+            if not candidates:
+                return 0
+            slab = min(candidates, key=self._slab_used.__getitem__)
+            self._class_partial[slab_class[slab]].pop(slab, None)  # it takes no new pages while it drains
+            self._drain, self._drain_at, self._drain_pass, self._drain_evicted = slab, 0, 1, False
+        return self._drain_step(budget)
+
+    def _drain_step(self, budget: int) -> int:
+        """Evicts the sealed unpinned pages among the draining slab's next `budget` page ids; hands the slab back
+        to the pool when its last page is gone. Returns the page ids looked at (at least 1)."""
+        slab = self._drain
+        c = self._slab_class[slab]
+        pages = self._slab_pages[slab]
+        start = self._drain_at
+        end = min(len(pages), start + max(budget, 1))
+        state, pins, hash_of, ns_of, namespaces = self._state, self._pins, self._hash, self._ns_of, self._namespaces
+        prev, nxt, changes = self._prev, self._next, self._changes
         evicted: dict[int, int] = {}  # namespace id -> its pages evicted
-        for pid in self._slab_pages[slab]:  # free or sealed and unpinned: the slab is not busy
-            if state[pid] == SEALED:
+        freed: list[int] = []
+        for pid in pages[start:end]:
+            if state[pid] == SEALED and pins[pid] == 0:  # in the LRU ring: evictable
                 p, q = prev[pid], nxt[pid]
                 nxt[p] = q
                 prev[q] = p
                 ns_id = ns_of[pid]
-                del namespaces[ns_id].index[hash_of[pid]]  # type: ignore[arg-type]
+                block_hash = hash_of[pid]
+                del namespaces[ns_id].index[block_hash]  # type: ignore[arg-type]
                 evicted[ns_id] = evicted.get(ns_id, 0) + 1
-                if self._changes is not None:
-                    self._changes.append((False, ns_id, hash_of[pid]))  # type: ignore[arg-type]
+                if changes is not None:
+                    changes.append((False, ns_id, block_hash))  # type: ignore[arg-type]
                 state[pid] = FREE
                 hash_of[pid] = None
-        for ns_id, count in evicted.items():
-            ns = namespaces[ns_id]
-            ns.resident_blocks -= count
-            ns.resident_bytes -= count * self._layouts[ns.layout_id].page_bytes
-        total = sum(evicted.values())
-        assert total == self._slab_used[slab]
-        self._resident_blocks -= total
-        self._sealed_bytes -= total * self._class_bytes[self._slab_class[slab]]
-        self._evictions += total
-        self._slab_used[slab] = 0
-        self._release_slab(slab)
-        return True
+                freed.append(pid)
+        self._drain_at = end
+        if freed:
+            self._drain_evicted = True
+            for ns_id, count in evicted.items():
+                ns = namespaces[ns_id]
+                ns.resident_blocks -= count
+                ns.resident_bytes -= count * self._layouts[ns.layout_id].page_bytes
+            n = len(freed)
+            self._lru_len[c] -= n
+            self._resident_blocks -= n
+            self._sealed_bytes -= n * self._class_bytes[c]
+            self._evictions += n
+            self._slab_free_ids[slab].extend(freed)
+            self._slab_used[slab] -= n
+        if self._slab_used[slab] == 0:
+            self._release_slab(slab)  # ends the drain
+        elif end == len(pages):  # pages were pinned or inflight when the pass went by
+            if self._drain_evicted and self._drain_pass < DRAIN_PASSES:  # those may be evictable by now
+                self._drain_at, self._drain_pass, self._drain_evicted = 0, self._drain_pass + 1, False
+            else:  # it cannot be emptied now: back to its class, with what is free in it
+                self._drain = -1
+                if self._slab_used[slab] < self._class_capacity[c]:
+                    self._class_partial[c][slab] = None
+        return end - start
 
     def _evict_lru(self, c: int, n: int) -> list[int]:
         """Takes up to n of class c's least recently used pages (unpinned and sealed: the only pages in the ring)
@@ -764,6 +878,7 @@ class BlockStore:
         if self._changes is not None:
             self._changes.extend((False, ns_of[pid], hash_of[pid]) for pid in victims)  # type: ignore[misc]
         n = len(victims)
+        self._lru_len[c] -= n
         self._resident_blocks -= n
         self._sealed_bytes -= n * self._class_bytes[c]
         self._evictions += n
@@ -781,6 +896,7 @@ class BlockStore:
             first = pid
         prev[first] = sentinel
         nxt[sentinel] = first
+        self._lru_len[c] += len(pids)
 
     def _pin(self, pids: Sequence[int]) -> None:
         """Pins sealed pages of one namespace (so of one size class); a page may be listed more than once."""
@@ -796,8 +912,10 @@ class BlockStore:
                 newly += 1
             pins[pid] = n + 1
         if newly:
+            c = self._slab_class[slab_of[pids[0]]]
+            self._lru_len[c] -= newly
             self._pinned_blocks += newly
-            self._pinned_bytes += newly * self._page_bytes(pids[0])
+            self._pinned_bytes += newly * self._class_bytes[c]
 
     def _unpin(self, pids: Sequence[int]) -> None:
         """Drops one pin of each page (of one namespace, as pinned by _pin). A page left without pins becomes the
@@ -904,7 +1022,7 @@ class BlockStore:
                 assert self._slab_of[pid] == s and self._offset[pid] == s * self.slab_bytes + k * self._class_bytes[c]
             assert sorted(free_ids) == sorted(pid for pid in pages if self._state[pid] == FREE)
             assert len(pages) - len(free_ids) == self._slab_used[s]
-            assert (s in self._class_partial[c]) == (self._slab_used[s] < self._class_capacity[c])
+            assert (s in self._class_partial[c]) == (self._slab_used[s] < self._class_capacity[c] and s != self._drain)
             owned_ids.update(pages)
         # every page id is a sentinel, a page of one slab, or free in the page table: none leaks or doubles
         unowned = set(self._free_page_ids)
@@ -913,14 +1031,22 @@ class BlockStore:
         assert len(self._class_lru) + len(owned_ids) + len(unowned) == len(self._hash)
         assert free + self._inflight_bytes + self._sealed_bytes == self.arena_bytes
         lru_pages = 0
-        for sentinel in self._class_lru:
+        for c, sentinel in enumerate(self._class_lru):
+            ring = 0
             pid = self._next[sentinel]
             while pid != sentinel:
                 assert self._state[pid] == SEALED and self._pins[pid] == 0
                 assert self._prev[self._next[pid]] == pid
-                lru_pages += 1
+                assert self._slab_class[self._slab_of[pid]] == c
+                ring += 1
                 pid = self._next[pid]
+            assert ring == self._lru_len[c]
+            lru_pages += ring
         assert lru_pages == self._resident_blocks - self._pinned_blocks
+        if self._drain >= 0:  # a draining slab is in use, takes no new pages, and its cursor is within it
+            d = self._drain
+            assert self._slab_class[d] >= 0 and d not in self._class_partial[self._slab_class[d]]
+            assert 0 <= self._drain_at < len(self._slab_pages[d]) and 1 <= self._drain_pass <= DRAIN_PASSES
         pins_by_leases = Counter(pid for lease in self._leases.values() for pid in lease.pages)
         for pid, n in pins_by_leases.items():
             assert self._pins[pid] >= n

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +39,7 @@ from kvseal.core.layout import (
 )
 from kvseal.core.store import BlockStore, SavePlan, StoreStatistics, page_stride
 from kvseal.engine.copy import SlotSource, WorkerCopier
+from kvseal.engine.lock import LockStatistics, TimedLock
 from kvseal.engine.memory import Arena, CudaSpec, MappedFile, layer_extent, map_cuda_storage, map_layer_memory
 from kvseal.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from kvseal.limits import MAX_BLOCKS_PER_REQUEST, MAX_HASH_BYTES, MAX_REQUEST_ID_CHARS
@@ -51,6 +51,9 @@ WorkerKey = tuple[str, int, int]  # (instance_id, tp_rank, pp_rank)
 PEER_RETRY_S = 2.0  # a prefix no peer could give is not asked for again before this
 MAX_PEER_MISSES = 65536
 SETTLE_S = 30.0  # how long a timed-out transfer (Mooncake: its progress timeout, 10 s) may still write pages
+# between two steps of emptying a slab the lock is free this long, so that threads waiting for it get it (a lock
+# released and at once taken again by the same thread mostly goes to that thread)
+RECLAIM_YIELD_S = 50e-6
 
 
 class PeerSource(Protocol):
@@ -220,7 +223,7 @@ class Engine:
         )
         self.arena = Arena(self.store.arena_bytes, prefault=prefault)
         self.counters = EngineCounters()
-        self._lock = threading.Lock()
+        self._lock = TimedLock()  # every hold is timed: lock_statistics(), /metrics
         self._instances: dict[str, _Instance] = {}
         self.ssd = ssd
         self._refilling: set[int] = set()  # pages being read from SSD
@@ -366,13 +369,18 @@ class Engine:
         self, worker: WorkerKey, hashes: Sequence[bytes], block_ids: Sequence[int], session: Session
     ) -> SaveResult:
         hashes, block_ids = _check_blocks(hashes, block_ids)
-        with self._lock:
-            inst, w = self._owned_worker(worker, session)
-            self._find_sealed(worker[0])
-            _check_block_range(block_ids, w.num_blocks)
-            sealed = inst.sealed
-            assert sealed is not None and w.copier is not None
-            plan = self.store.begin_save(inst.ns_id, sealed.layout, hashes, w.cell_mask)
+        while True:
+            with self._lock:
+                inst, w = self._owned_worker(worker, session)
+                self._find_sealed(worker[0])
+                _check_block_range(block_ids, w.num_blocks)
+                sealed = inst.sealed
+                assert sealed is not None and w.copier is not None
+                # a slab of another class is emptied for these pages in bounded steps, the lock released between
+                if not self.store.reclaim(inst.ns_id, sealed.layout, hashes):
+                    plan = self.store.begin_save(inst.ns_id, sealed.layout, hashes, w.cell_mask)
+                    break
+            time.sleep(RECLAIM_YIELD_S)
         start = time.perf_counter()
         ok = False
         try:
@@ -663,9 +671,19 @@ class Engine:
                 self.store.release(lease_id, owner)
 
     def tick(self) -> None:
-        """Expires leases and inflight pages even when no request comes (called periodically by the server)."""
+        """Expires leases and inflight pages even when no request comes (called periodically by the server), and
+        finishes emptying a slab that a refill began emptying, one bounded step per lock hold."""
         with self._lock:
             self.store.expire()
+            more = self.store.reclaim_step()
+        while more:
+            time.sleep(RECLAIM_YIELD_S)
+            with self._lock:
+                more = self.store.reclaim_step()
+
+    def lock_statistics(self) -> LockStatistics:
+        """How long the engine lock was held: a histogram of holds and the longest, with where (no lock taken)."""
+        return self._lock.statistics()
 
     # ---------------------------------------------------------------- lookup
 

@@ -7,10 +7,18 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kvseal.engine.engine import Engine
+from kvseal.engine.lock import HOLD_BUCKETS, LockStatistics
 from kvseal.ssd.tier import TierStatistics
 
 _RPC_BUCKETS = (50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.1, 0.5, 1.0, 5.0)
@@ -58,6 +66,27 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("kvseal_load_seconds", "Seconds spent copying loads", value=c.load_seconds)
         if s.ssd is not None:
             yield from _ssd_metrics(s.ssd)
+        yield from _lock_metrics(self.engine.lock_statistics())
+
+
+def _lock_metrics(t: LockStatistics) -> Iterator[Metric]:
+    """The engine lock's holds, from the lock's own counts (TimedLock: nothing is observed twice)."""
+    buckets, cumulative = [], 0
+    for bound, count in zip((*map(floatToGoString, HOLD_BUCKETS), "+Inf"), t.bucket_counts, strict=True):
+        cumulative += count
+        buckets.append((bound, cumulative))
+    yield HistogramMetricFamily(
+        "kvseal_engine_lock_hold_seconds",
+        "How long each hold of the engine lock lasted (every query, save and load waits while it is held)",
+        buckets=buckets,
+        sum_value=t.total_seconds,
+    )
+    yield GaugeMetricFamily(
+        "kvseal_engine_lock_max_hold_seconds", "Longest hold of the engine lock since start", value=t.max_seconds
+    )
+    yield InfoMetricFamily(
+        "kvseal_engine_lock_max_hold", "Where the longest hold of the engine lock was", value={"where": t.max_where}
+    )
 
 
 def _ssd_metrics(t: TierStatistics) -> Iterator[Metric]:
