@@ -1,5 +1,5 @@
 """The `kvseal` command: `kvseal serve` runs the engine; `kvseal namespaces` shows (or purges) what it holds;
-`kvseal ssd inspect` reads an SSD tier directory offline; `kvseal bench engine|ssd` runs a benchmark."""
+`kvseal ssd inspect` reads an SSD tier directory offline; `kvseal bench engine|ssd|peer|cuda` runs a benchmark."""
 
 from __future__ import annotations
 
@@ -267,7 +267,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     serve.add_argument("--log-level", type=str.upper, choices=_LOG_LEVELS, default="INFO", help="logging level")
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("what", choices=["engine", "ssd", "peer"])
+    bench.add_argument("what", choices=["engine", "ssd", "peer", "cuda"])
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     bench.add_argument("--dir", default=None, help="ssd: the directory to measure (default: $TMPDIR)")
 
@@ -427,6 +427,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvseal.bench import peer as bench_peer
 
         return bench_peer.main(quick=args.quick)
+    if args.what == "cuda":
+        from kvseal.bench import cuda as bench_cuda
+
+        return bench_cuda.main(quick=args.quick)
     if args.what == "ssd":
         from kvseal.bench import ssd as bench_ssd
 

@@ -338,10 +338,33 @@ def shm_handle(region: SharedRegion, offset: int = 0) -> pb.MemoryHandle:
 
 
 def share_tensor(tensor: Any) -> pb.MemoryHandle:
-    """Moves a CPU torch tensor's storage into a sealed memfd in place (every view keeps working, kvseal.memfd) and
-    returns the handle the engine maps. The tensor must stay alive while the worker is registered."""
+    """The handle the engine maps for a torch tensor: a CPU tensor's storage moves into a sealed memfd in place
+    (every view keeps working, kvseal.memfd); a CUDA tensor's allocation is shared by CUDA IPC (torch's own
+    reduction of its storage). The tensor must stay alive while the worker is registered."""
+    if tensor.is_cuda:
+        return cuda_handle(tensor)
     region = share_storage(tensor)
     return shm_handle(region, tensor.data_ptr() - tensor.untyped_storage().data_ptr())
+
+
+def cuda_handle(tensor: Any) -> pb.MemoryHandle:
+    """The CUDA IPC handle of a CUDA tensor's storage (the engine opens it with torch, as a receiving process of
+    torch.multiprocessing would), with the tensor's byte offset inside that storage."""
+    storage = tensor.untyped_storage()
+    device, handle, size, storage_offset, ref_handle, ref_offset, event_handle, event_sync = storage._share_cuda_()
+    return pb.MemoryHandle(
+        cuda=pb.CudaIpcHandle(
+            device=device,
+            handle=handle,
+            storage_size=size,
+            storage_offset=storage_offset,
+            ref_counter_handle=ref_handle,
+            ref_counter_offset=ref_offset,
+            event_handle=event_handle or b"",
+            event_sync_required=event_sync,
+            offset=tensor.data_ptr() - storage.data_ptr(),
+        )
+    )
 
 
 def layer_from_tensor(
@@ -353,7 +376,7 @@ def layer_from_tensor(
     split_kv: bool = False,
     dtype: str | None = None,
 ) -> pb.LayerSpec:
-    """Describes a CPU KV tensor of shape [num_blocks, ...] (one page per block) or, with split_kv,
+    """Describes a KV tensor (CPU or CUDA) of shape [num_blocks, ...] (one page per block) or, with split_kv,
     [2, num_blocks, ...] (K and V as two segments), and shares its memory."""
     elem = tensor.element_size()
     if split_kv:

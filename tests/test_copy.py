@@ -1,6 +1,8 @@
 """The copier (kvseal.engine.copy) against a reference that moves one slot at a time: any block ids and pages,
 consecutive or not, land byte-exact, and nothing else in the arena or the worker's memory changes. Worker memory
-as a numpy array (shared memory) and as a torch tensor (the path CUDA memory takes, run here on CPU)."""
+as a numpy array (shared memory), and as a torch tensor copied by the CUDA copier's plan of 2D copies, run on host
+memory by kvseal.testing.cuda.HostRuntime (the plan CUDA memory takes; the real calls run on a GPU in
+`kvseal bench cuda`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 
 from kvseal.core.store import PAGE_ALIGN, page_stride
 from kvseal.engine.copy import SlotSource, WorkerCopier
+from kvseal.testing.cuda import HostRuntime
 
 NUM_BLOCKS, LAYERS, SEGMENT = 12, 3, 64
 SLOT = 2 * SEGMENT  # K and V
@@ -63,7 +66,8 @@ def test_save_then_load_moves_exactly_the_planned_slots(batch: tuple[list[int], 
     block_ids, pages = batch
     memory, sources = worker_memory(as_torch)
     arena = np.zeros(PAGES * STRIDE + PAGE_ALIGN, dtype=np.uint8)
-    copier = WorkerCopier(sources, arena, STRIDE)
+    runtime = HostRuntime()
+    copier = WorkerCopier(sources, arena, STRIDE, runtime)
     offsets = [p * STRIDE for p in pages]
 
     copier.save(block_ids, offsets)
@@ -72,6 +76,8 @@ def test_save_then_load_moves_exactly_the_planned_slots(batch: tuple[list[int], 
         page = b"".join(slot(memory, layer, block) for layer in range(LAYERS))
         expected[offset : offset + len(page)] = np.frombuffer(page, dtype=np.uint8)
     assert np.array_equal(arena, expected)
+    if as_torch:  # one 2D copy per layer segment and span, one synchronize per call
+        assert runtime.synchronized == 1 and runtime.copies >= (LAYERS * 2 if block_ids else 0)
 
     before = memory.copy()
     targets = [(b + 5) % NUM_BLOCKS for b in block_ids]  # other blocks, still distinct

@@ -296,3 +296,22 @@ def test_engine_uid_names_the_engines_user_by_uid_or_name(v: types.SimpleNamespa
         v.connector.KVSealConnector(
             _vllm_config(v, **{"kvseal.engine_uid": "no-such-user"}), v.KVConnectorRole.SCHEDULER, _one_group(v)
         )
+
+
+# ---------------------------------------------------------------- KV tensor layouts
+
+
+def test_kv_planes_are_read_off_the_tensor_vllm_allocated(v: types.SimpleNamespace) -> None:
+    torch, splits_kv = v.torch, v.connector.splits_kv
+    from kvseal.client import layer_from_tensor
+
+    flash = torch.zeros(2, 64, BLOCK, 2, 32)  # FlashAttention on GPU: [2, num_blocks, block_size, heads, head_size]
+    cpu = torch.zeros(64, 2, BLOCK, 64)  # vLLM CPU: [num_blocks, heads, block_size, 2 * head_size]
+    mla = torch.zeros(64, BLOCK, 576)  # MLA: [num_blocks, block_size, latent]
+    assert splits_kv(flash, 64)
+    assert not splits_kv(cpu, 64) and not splits_kv(mla, 64)
+    assert not splits_kv(torch.zeros(2, 2, BLOCK, 64), 2)  # two blocks of a page layout: not told apart, not split
+
+    spec = layer_from_tensor("l0", flash, layout_tag="t", split_kv=splits_kv(flash, 64))
+    assert (spec.segments, spec.num_blocks, spec.segment_bytes) == (2, 64, BLOCK * 2 * 32 * 4)
+    assert list(spec.strides) == [BLOCK * 2 * 32 * 4, 64 * BLOCK * 2 * 32 * 4]

@@ -12,7 +12,8 @@ so moving one block of one run is one `np.copyto` of several hundred KiB, with n
 are moved in *spans*: consecutive block ids whose pages are also consecutive in one slab (a batch saved together
 is carved or evicted in order, and vLLM hands out fresh block ids in order) are one strided copy, so a batch
 costs one `np.copyto` per span and run, not per block. Views use 8-byte words when every offset and stride allows
-it (uint8 views copy 3-6x slower, docs/design.md §5).
+it (uint8 views copy 3-6x slower, docs/design.md §5). Layers in CUDA memory are copied by kvseal.engine.cuda
+(2D DMA copies of the same spans), not by views.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from kvseal.core.store import PAGE_ALIGN
+from kvseal.engine.cuda import CudaCopier, Runtime, Segment, cuda_runtime
 
 
 @dataclass(frozen=True, slots=True)
 class SlotSource:
     """Where one layer's blocks live in a worker's memory and where its slot goes in a page."""
 
-    memory: Any  # np.ndarray of uint8 (a mapped file) or a torch uint8 tensor (CUDA)
+    memory: Any  # np.ndarray of uint8 (a mapped file) or a torch uint8 tensor over a CUDA IPC storage
     src_offset: int
     block_stride: int
     segment_stride: int  # 0 when segments == 1
@@ -78,32 +80,61 @@ class WorkerCopier:
     or inflight) and that block ids were range-checked. `page_stride` is the distance between consecutive pages
     of one slab (kvseal.core.store.page_stride)."""
 
-    def __init__(self, sources: Sequence[SlotSource], arena: np.ndarray, page_stride: int) -> None:
-        self._runs: list[tuple[Any, Any]] = [_build_run(run, arena) for run in _runs(sources)]
+    def __init__(
+        self, sources: Sequence[SlotSource], arena: np.ndarray, page_stride: int, runtime: Runtime | None = None
+    ) -> None:
+        """`runtime`: what copies the torch (CUDA) layers; libcudart by default."""
+        host = [s for s in sources if isinstance(s.memory, np.ndarray)]
+        self._runs: list[tuple[np.ndarray, np.ndarray]] = [_build_run(run, arena) for run in _runs(host)]
+        tensors = [s for s in sources if not isinstance(s.memory, np.ndarray)]
+        self._cuda = _cuda_copiers(tensors, arena, page_stride, runtime) if tensors else []
         self.num_runs = len(self._runs)
         self._step = page_stride // PAGE_ALIGN
 
     def save(self, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
         """Copies block_ids[k] into the page at offsets[k], for every k."""
-        for first, pos, n in _spans(block_ids, offsets, self._step):
+        spans = _spans(block_ids, offsets, self._step)
+        for first, pos, n in spans:
             end, stop = first + n, pos + n * self._step
             for src, dst in self._runs:
-                _copy(dst[pos : stop : self._step], src[first:end])
+                np.copyto(dst[pos : stop : self._step], src[first:end])
+        for cuda in self._cuda:
+            cuda.save(spans, PAGE_ALIGN)
 
     def load(self, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
-        """Copies the page at offsets[k] into block_ids[k], for every k. Copies from pageable host memory to a
-        CUDA tensor are synchronous: the bytes are in place on return."""
-        for first, pos, n in _spans(block_ids, offsets, self._step):
+        """Copies the page at offsets[k] into block_ids[k], for every k. Copies into CUDA memory are complete on
+        return."""
+        spans = _spans(block_ids, offsets, self._step)
+        for first, pos, n in spans:
             end, stop = first + n, pos + n * self._step
             for src, dst in self._runs:
-                _copy(src[first:end], dst[pos : stop : self._step])
+                np.copyto(src[first:end], dst[pos : stop : self._step])
+        for cuda in self._cuda:
+            cuda.load(spans, PAGE_ALIGN)
 
 
-def _copy(dst: Any, src: Any) -> None:
-    if isinstance(dst, np.ndarray):
-        np.copyto(dst, src)
-    else:
-        dst.copy_(src)
+def _cuda_copiers(
+    sources: Sequence[SlotSource], arena: np.ndarray, page_stride: int, runtime: Runtime | None
+) -> list[CudaCopier]:
+    """One CudaCopier per device of the worker's CUDA layers (the engine page-locked the pool when it mapped them)."""
+    runtime = runtime or cuda_runtime()
+    by_device: dict[int, list[SlotSource]] = {}
+    for s in sources:
+        by_device.setdefault(s.memory.device.index or 0, []).append(s)
+    copiers = []
+    for device, group in by_device.items():
+        segments = [
+            Segment(
+                s.memory.data_ptr() + s.src_offset + k * s.segment_stride,
+                s.block_stride,
+                s.segment_bytes,
+                s.dst_offset + k * s.segment_bytes,
+            )
+            for s in group
+            for k in range(s.segments)
+        ]
+        copiers.append(CudaCopier(segments, device, arena, page_stride, runtime, [s.memory for s in group]))
+    return copiers
 
 
 def _spans(block_ids: Sequence[int], offsets: Sequence[int], step: int) -> list[tuple[int, int, int]]:
@@ -121,32 +152,13 @@ def _spans(block_ids: Sequence[int], offsets: Sequence[int], step: int) -> list[
     return [(firsts[k], positions[k], ends[k] - starts[k]) for k in range(len(starts))]
 
 
-def _build_run(run: list[SlotSource], arena: np.ndarray) -> tuple[Any, Any]:
+def _build_run(run: list[SlotSource], arena: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     first, n = run[0], len(run)
     src_delta = run[1].src_offset - first.src_offset if n > 1 else 0
     dst_delta = run[1].dst_offset - first.dst_offset if n > 1 else 0
     slot_bytes = first.segments * first.segment_bytes
     dst_extent = (n - 1) * dst_delta + slot_bytes
     positions = (arena.nbytes - first.dst_offset - dst_extent) // PAGE_ALIGN + 1
-    is_torch = not isinstance(first.memory, np.ndarray)
-    if is_torch:
-        import torch
-
-        mem = first.memory
-        src = torch.as_strided(
-            mem,
-            (first.num_blocks, n, first.segments, first.segment_bytes),
-            (first.block_stride, src_delta, first.segment_stride, 1),
-            first.src_offset,
-        )
-        arena_t = torch.from_numpy(arena)
-        dst = torch.as_strided(
-            arena_t,
-            (positions, n, first.segments, first.segment_bytes),
-            (PAGE_ALIGN, dst_delta, first.segment_bytes, 1),
-            first.dst_offset,
-        )
-        return src, dst
     word = 8
     for v in (
         first.src_offset,

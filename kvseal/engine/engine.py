@@ -39,6 +39,7 @@ from kvseal.core.layout import (
 )
 from kvseal.core.store import BlockStore, SavePlan, StoreStatistics, page_stride
 from kvseal.engine.copy import SlotSource, WorkerCopier
+from kvseal.engine.cuda import cuda_runtime
 from kvseal.engine.lock import LockStatistics, TimedLock
 from kvseal.engine.memory import Arena, CudaSpec, MappedFile, layer_extent, map_cuda_storage, map_layer_memory
 from kvseal.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
@@ -303,6 +304,8 @@ class Engine:
             where = f"layers[{i}].memory"
             if isinstance(layer.memory, CudaSpec):
                 memories.append(map_cuda_storage(where, layer.memory, extent))
+                # page-locked once, here and not under the engine's lock (a large pool takes a second or more)
+                cuda_runtime().pin(self.arena.bytes.ctypes.data, self.arena.size)
             else:
                 memories.append(map_layer_memory(where, layer.memory, extent, fds, files).bytes)
         return memories

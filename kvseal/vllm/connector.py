@@ -211,6 +211,15 @@ def check_one_kv_cache_group(kv_cache_config: KVCacheConfig) -> None:
     )
 
 
+def splits_kv(tensor: torch.Tensor, num_blocks: int | None) -> bool:
+    """Whether a layer's KV is two planes, [2, num_blocks, ...] (K then V: vLLM's FlashAttention layout on GPU),
+    rather than one page per block, [num_blocks, ...] (vLLM's CPU and MLA layouts): read off the tensor vLLM
+    allocated, whose block dimension has the engine's num_blocks."""
+    if tensor.dim() >= 2 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks and num_blocks != 2:
+        return True
+    return False
+
+
 def _names(names: list[str], shown: int = 2) -> str:
     more = f", … {len(names) - shown} more" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more
@@ -317,6 +326,7 @@ class KVSealConnector(KVConnectorBase_V1):
             self.namespace = extra.get("kvseal.namespace") or model_identity(model.model, model.revision)
             self._kv_caches: dict[str, torch.Tensor] = {}
             self._layers: list[pb.LayerSpec] = []
+            self._on_cuda = False
             self._registered = False
             self._next_attempt = 0.0
             self._finished_loads: set[str] = set()
@@ -576,9 +586,16 @@ class KVSealConnector(KVConnectorBase_V1):
         self._kv_caches = dict(kv_caches)
         self._layers = [
             # every layer is in the one KV cache group (check_one_kv_cache_group)
-            layer_from_tensor(name, tensor, layout_tag=self._layout_tag(name, tensor), group_id=0)
+            layer_from_tensor(
+                name,
+                tensor,
+                layout_tag=self._layout_tag(name, tensor),
+                group_id=0,
+                split_kv=splits_kv(tensor, self._vllm_config.cache_config.num_gpu_blocks),
+            )
             for name, tensor in sorted(kv_caches.items())
         ]
+        self._on_cuda = any(t.is_cuda for t in kv_caches.values())
         self._ensure_registered()
 
     def _layout_tag(self, name: str, tensor: torch.Tensor) -> str:
@@ -682,6 +699,8 @@ class KVSealConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVSealConnectorMetadata)
         if meta.save_hashes and self._registered:  # the session was checked at this step's start_load_kv
+            if self._on_cuda:  # the engine copies on its own stream: this step's KV writes must be done first
+                torch.cuda.current_stream().synchronize()
             self._engine_call("save", self.client.save, self._worker, meta.save_hashes, meta.save_block_ids)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

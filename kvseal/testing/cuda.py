@@ -1,0 +1,31 @@
+"""A stand-in for the CUDA runtime that runs the CUDA copier's plan on host memory, so the plan (which rows go
+where) is tested on machines without a GPU. The real calls are exercised by `kvseal bench cuda` on a GPU."""
+
+from __future__ import annotations
+
+import ctypes
+
+
+class HostRuntime:
+    """kvseal.engine.cuda.Runtime over host addresses: each 2D copy is `height` row memmoves, done at once."""
+
+    def __init__(self) -> None:
+        self.copies = 0
+        self.synchronized = 0
+
+    def set_device(self, device: int) -> None:
+        pass
+
+    def new_stream(self) -> int:
+        return 1
+
+    def copy_2d(
+        self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, kind: int, stream: int
+    ) -> None:
+        assert width <= dst_pitch and width <= src_pitch, "cudaMemcpy2D refuses a width wider than a pitch"
+        for row in range(height):
+            ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
+        self.copies += 1
+
+    def synchronize(self, stream: int) -> None:
+        self.synchronized += 1
