@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvseal.core.store import PAGE_ALIGN, page_stride
-from kvseal.engine.copy import SlotSource, WorkerCopier
+from kvseal.engine.copy import SlotSource, WorkerCopier, _spans
 from kvseal.testing.cuda import HostRuntime
 
 NUM_BLOCKS, LAYERS, SEGMENT = 12, 3, 64
@@ -61,13 +61,14 @@ batches = st.integers(0, 8).flatmap(
 )
 
 
-@given(batches, st.booleans())
-def test_save_then_load_moves_exactly_the_planned_slots(batch: tuple[list[int], list[int]], as_torch: bool) -> None:
+@given(batches, st.sampled_from(["numpy", "cuda 2d", "cuda batch"]))
+def test_save_then_load_moves_exactly_the_planned_slots(batch: tuple[list[int], list[int]], path: str) -> None:
     block_ids, pages = batch
+    as_torch = path != "numpy"
     memory, sources = worker_memory(as_torch)
     arena = np.zeros(PAGES * STRIDE + PAGE_ALIGN, dtype=np.uint8)
     runtime = HostRuntime()
-    copier = WorkerCopier(sources, arena, STRIDE, runtime)
+    copier = WorkerCopier(sources, arena, STRIDE, runtime, cuda_batch_from=0 if path == "cuda batch" else 1 << 30)
     offsets = [p * STRIDE for p in pages]
 
     copier.save(block_ids, offsets)
@@ -76,8 +77,12 @@ def test_save_then_load_moves_exactly_the_planned_slots(batch: tuple[list[int], 
         page = b"".join(slot(memory, layer, block) for layer in range(LAYERS))
         expected[offset : offset + len(page)] = np.frombuffer(page, dtype=np.uint8)
     assert np.array_equal(arena, expected)
-    if as_torch:  # one 2D copy per layer segment and span, one synchronize per call
-        assert runtime.synchronized == 1 and runtime.copies >= (LAYERS * 2 if block_ids else 0)
+    if as_torch:  # one synchronize per call; one batch, or one 2D copy per span and layer segment
+        spans = len(_spans(block_ids, offsets, STRIDE // PAGE_ALIGN))
+        assert runtime.synchronized == (1 if spans else 0)
+        assert (runtime.batches, runtime.copies) == (
+            (1, 0) if path == "cuda batch" and spans else (0, spans * LAYERS * 2)
+        )
 
     before = memory.copy()
     targets = [(b + 5) % NUM_BLOCKS for b in block_ids]  # other blocks, still distinct

@@ -69,11 +69,14 @@ def _run(torch: Any, tmp: Path, reps: int) -> dict[str, Any]:
         print(f"engine serving after {start:.1f} s (pool {POOL // GiB} GiB, pre-faulted)")
         return _measure(torch, engine, client, reps)
     except Exception:
-        print(engine.log_tail(), file=sys.stderr)
+        code = engine.proc.poll()
+        print(f"engine {'exited with ' + str(code) if code is not None else 'running'}; its log:", file=sys.stderr)
+        log_text = engine.log_path.read_text(errors="replace")
+        fatal = log_text.find("Fatal Python error")  # a crash: its own thread's stack comes first
+        print(log_text[fatal : fatal + 4000] if fatal >= 0 else engine.log_tail(60), file=sys.stderr)
         raise
     finally:
         engine.stop()
-        print("engine log:\n" + engine.log_tail(8))
 
 
 def _measure(torch: Any, engine: EngineProcess, client: EngineClient, reps: int) -> dict[str, Any]:

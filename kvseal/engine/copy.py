@@ -26,7 +26,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from kvseal.core.store import PAGE_ALIGN
-from kvseal.engine.cuda import CudaCopier, Runtime, Segment, cuda_runtime
+from kvseal.engine.cuda import BATCH_FROM, CudaCopier, Runtime, Segment, cuda_runtime
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,13 +81,19 @@ class WorkerCopier:
     of one slab (kvseal.core.store.page_stride)."""
 
     def __init__(
-        self, sources: Sequence[SlotSource], arena: np.ndarray, page_stride: int, runtime: Runtime | None = None
+        self,
+        sources: Sequence[SlotSource],
+        arena: np.ndarray,
+        page_stride: int,
+        runtime: Runtime | None = None,
+        cuda_batch_from: int = BATCH_FROM,
     ) -> None:
-        """`runtime`: what copies the torch (CUDA) layers; libcudart by default."""
+        """`runtime`: what copies the torch (CUDA) layers, libcudart by default; `cuda_batch_from`: the number of
+        spans x layer segments from which their copies go in one batched call (kvseal.engine.cuda)."""
         host = [s for s in sources if isinstance(s.memory, np.ndarray)]
         self._runs: list[tuple[np.ndarray, np.ndarray]] = [_build_run(run, arena) for run in _runs(host)]
         tensors = [s for s in sources if not isinstance(s.memory, np.ndarray)]
-        self._cuda = _cuda_copiers(tensors, arena, page_stride, runtime) if tensors else []
+        self._cuda = _cuda_copiers(tensors, arena, page_stride, runtime, cuda_batch_from) if tensors else []
         self.num_runs = len(self._runs)
         self._step = page_stride // PAGE_ALIGN
 
@@ -114,7 +120,7 @@ class WorkerCopier:
 
 
 def _cuda_copiers(
-    sources: Sequence[SlotSource], arena: np.ndarray, page_stride: int, runtime: Runtime | None
+    sources: Sequence[SlotSource], arena: np.ndarray, page_stride: int, runtime: Runtime | None, batch_from: int
 ) -> list[CudaCopier]:
     """One CudaCopier per device of the worker's CUDA layers (the engine page-locked the pool when it mapped them)."""
     runtime = runtime or cuda_runtime()
@@ -133,7 +139,7 @@ def _cuda_copiers(
             for s in group
             for k in range(s.segments)
         ]
-        copiers.append(CudaCopier(segments, device, arena, page_stride, runtime, [s.memory for s in group]))
+        copiers.append(CudaCopier(segments, device, arena, page_stride, runtime, [s.memory for s in group], batch_from))
     return copiers
 
 

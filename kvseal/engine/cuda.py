@@ -32,6 +32,7 @@ from kvseal.errors import FailedPrecondition
 log = logging.getLogger(__name__)
 
 HOST_TO_DEVICE, DEVICE_TO_HOST = 1, 2  # cudaMemcpyKind
+BATCH_FROM = 512  # spans x segments from which one batched call beats a 2D copy per span and segment
 
 
 class Runtime(Protocol):
@@ -42,6 +43,10 @@ class Runtime(Protocol):
     def copy_2d(
         self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, kind: int, stream: int
     ) -> None: ...
+    def copy_batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> bool:
+        """Enqueues len(dsts) 1D copies in one call; False (nothing enqueued) when the runtime has no batch API."""
+        ...
+
     def synchronize(self, stream: int) -> None: ...
 
 
@@ -60,6 +65,14 @@ class CudaRuntime:
         lib.cudaHostRegister.argtypes = [vp, sz, ctypes.c_uint]
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
+        self._batch = getattr(lib, "cudaMemcpyBatchAsync", None)  # CUDA 12.8+
+        if self._batch is not None:
+            # CUDA 12.x has a failIdx argument before the stream; 13 dropped it
+            self._batch_fail_idx = int(major_version(lib)) < 13
+            ptr = ctypes.c_void_p
+            self._batch.argtypes = [ptr, ptr, ptr, sz, ptr, ptr, sz] + ([ptr] if self._batch_fail_idx else []) + [ptr]
+            self._attrs = _MemcpyAttributes(srcAccessOrder=1)  # cudaMemcpySrcAccessOrderStream
+            self._attrs_idx = (ctypes.c_size_t * 1)(0)
         self._pinned: set[int] = set()
         self._pin_lock = threading.Lock()
 
@@ -80,6 +93,25 @@ class CudaRuntime:
     ) -> None:
         err = self._lib.cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height, kind, stream)
         self._check(err, "cudaMemcpy2DAsync")
+
+    def copy_batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> bool:
+        if self._batch is None:
+            return False
+        args: list[Any] = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(dsts)]
+        args += [ctypes.addressof(self._attrs), ctypes.addressof(self._attrs_idx), 1]
+        if self._batch_fail_idx:
+            fail = ctypes.c_size_t(0)
+            args.append(ctypes.addressof(fail))
+        err = self._batch(*args, stream)
+        if err:  # refused before anything was enqueued: 2D copies from now on
+            self._lib.cudaGetLastError()
+            log.warning(
+                "kvseal: cudaMemcpyBatchAsync refused (%s); CUDA copies of scattered blocks take one call per block",
+                self._lib.cudaGetErrorString(err).decode(),
+            )
+            self._batch = None
+            return False
+        return True
 
     def synchronize(self, stream: int) -> None:
         self._check(self._lib.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
@@ -102,6 +134,25 @@ class CudaRuntime:
             self._pinned.add(address)
             log.info("kvseal: page-locked the pool (%d bytes) for CUDA copies", size)
             return True
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]  # type 0: no hint
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", _MemLocation),
+        ("dstLocHint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+def major_version(lib: ctypes.CDLL) -> int:
+    version = ctypes.c_int(0)
+    lib.cudaRuntimeGetVersion(ctypes.byref(version))
+    return version.value // 1000
 
 
 def _load_cudart() -> ctypes.CDLL:
@@ -157,6 +208,7 @@ class CudaCopier:
         page_stride: int,
         runtime: Runtime,
         tensors: Sequence[Any] = (),
+        batch_from: int = BATCH_FROM,
     ) -> None:
         self._segments = sorted(segments, key=lambda s: s.page_offset)
         self._device = device
@@ -165,6 +217,11 @@ class CudaCopier:
         self._page_stride = page_stride
         self._rt = runtime
         self._tensors = list(tensors)
+        self.batch_from = batch_from
+        self._gpu = np.array([x.gpu for x in self._segments], dtype=np.int64)
+        self._pitch = np.array([x.pitch for x in self._segments], dtype=np.int64)
+        self._width = np.array([x.width for x in self._segments], dtype=np.int64)
+        self._offset = np.array([x.page_offset for x in self._segments], dtype=np.int64)
         runtime.set_device(device)
         self._stream = runtime.new_stream()
 
@@ -176,8 +233,17 @@ class CudaCopier:
         self._copy(spans, align, HOST_TO_DEVICE)
 
     def _copy(self, spans: Sequence[tuple[int, int, int]], align: int, kind: int) -> None:
-        rt, stream, stride, arena = self._rt, self._stream, self._page_stride, self._arena_address
+        if not spans:
+            return
+        rt, stream = self._rt, self._stream
         rt.set_device(self._device)
+        if len(spans) * len(self._segments) < self.batch_from or not self._copy_batch(spans, align, kind):
+            self._copy_2d(spans, align, kind)
+        rt.synchronize(stream)
+
+    def _copy_2d(self, spans: Sequence[tuple[int, int, int]], align: int, kind: int) -> None:
+        """One 2D copy per span and layer segment: long spans (a batch saved together, a prompt's blocks)."""
+        rt, stream, stride, arena = self._rt, self._stream, self._page_stride, self._arena_address
         for first, pos, n in spans:
             page = arena + pos * align
             for s in self._segments:
@@ -186,4 +252,18 @@ class CudaCopier:
                     rt.copy_2d(host, stride, gpu, s.pitch, s.width, n, kind, stream)
                 else:
                     rt.copy_2d(gpu, s.pitch, host, stride, s.width, n, kind, stream)
-        rt.synchronize(stream)
+
+    def _copy_batch(self, spans: Sequence[tuple[int, int, int]], align: int, kind: int) -> bool:
+        """One 1D copy per block and layer segment, all enqueued by one call: many short spans (scattered block
+        ids), where a call per span and segment would cost more than the copies. Addresses computed in numpy."""
+        table = np.asarray(spans, dtype=np.int64).reshape(-1, 3)
+        lengths = table[:, 2]
+        span_start = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        local = np.arange(int(lengths.sum()), dtype=np.int64) - span_start  # a block's index in its span
+        blocks = (np.repeat(table[:, 0], lengths) + local)[:, None]
+        pages = (self._arena_address + np.repeat(table[:, 1], lengths) * align + local * self._page_stride)[:, None]
+        gpu = (self._gpu + blocks * self._pitch).astype(np.uint64).ravel()  # [block][segment]
+        host = (pages + self._offset).astype(np.uint64).ravel()
+        sizes = np.broadcast_to(self._width, (len(blocks), len(self._width))).astype(np.uint64).ravel()
+        dsts, srcs = (host, gpu) if kind == DEVICE_TO_HOST else (gpu, host)
+        return self._rt.copy_batch(dsts, srcs, sizes, self._stream)

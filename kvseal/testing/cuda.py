@@ -4,13 +4,16 @@ where) is tested on machines without a GPU. The real calls are exercised by `kvs
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 
 class HostRuntime:
-    """kvseal.engine.cuda.Runtime over host addresses: each 2D copy is `height` row memmoves, done at once."""
+    """kvseal.engine.cuda.Runtime over host addresses: each 2D copy is `height` row memmoves and a batch one
+    memmove per copy, done at once."""
 
     def __init__(self) -> None:
         self.copies = 0
+        self.batches = 0
         self.synchronized = 0
 
     def set_device(self, device: int) -> None:
@@ -26,6 +29,12 @@ class HostRuntime:
         for row in range(height):
             ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
         self.copies += 1
+
+    def copy_batch(self, dsts: Any, srcs: Any, sizes: Any, stream: int) -> bool:
+        for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
+            ctypes.memmove(dst, src, size)
+        self.batches += 1
+        return True
 
     def synchronize(self, stream: int) -> None:
         self.synchronized += 1
