@@ -1,7 +1,8 @@
 """The benchmarks run end to end in their quick form (no speed assertions): `kvseal bench engine --quick` ends
 with a well-formed RESULT line whose figures are named after what it measured, not after the full run's targets,
 on the base install (torch cannot be imported, neither by the benchmark nor by the engine it starts), and
-`bench/store_ops.py --quick` prints its table, and `kvseal bench ssd --quick` ends with its RESULT line and
+`bench/store_ops.py --quick` prints its table with the cross-class stall, `kvseal bench cuda` on a machine without
+a GPU says what it needs, and `kvseal bench ssd --quick` ends with its RESULT line and
 leaves nothing in its directory."""
 
 from __future__ import annotations
@@ -69,7 +70,18 @@ def test_quick_store_ops_benchmark_prints_its_table() -> None:
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     for op in ("begin_save (evict)", "finish_save", "query", "release", "begin_load", "finish_load", "engine save"):
         assert any(line.startswith(op) for line in proc.stdout.splitlines()), proc.stdout
-    assert "cross-class stall" in proc.stdout
+    stall = next(line for line in proc.stdout.splitlines() if line.startswith("cross-class stall"))
+    assert " steps " in stall and "the longest" in stall, stall
+
+
+@pytest.mark.timeout(60)
+def test_cuda_benchmark_without_a_gpu_says_what_it_needs() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvseal", "bench", "cuda", "--quick"], capture_output=True, text=True, timeout=50
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "kvseal bench cuda needs a CUDA device; torch 2.13.0+cpu sees none" in proc.stderr
+    assert "RESULT" not in proc.stdout
 
 
 def _quick_result(proc: subprocess.CompletedProcess[str]) -> dict[str, float]:
