@@ -269,6 +269,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     bench = sub.add_parser("bench", help="benchmarks")
     bench.add_argument("what", choices=["engine", "ssd", "peer", "cuda"])
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    bench.add_argument("--plot", default=None, metavar="FILE.png", help="engine: draw the copy figures (matplotlib)")
     bench.add_argument("--dir", default=None, help="ssd: the directory to measure (default: $TMPDIR)")
 
     names = sub.add_parser(
@@ -423,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
         from kvseal import inventory
 
         return inventory.inspect_ssd(args.directory, args.verify, args.json)
+    if args.plot is not None and args.what != "engine":
+        print(f"kvseal bench {args.what}: --plot is for `kvseal bench engine`", file=sys.stderr)
+        return 2
     if args.what == "peer":
         from kvseal.bench import peer as bench_peer
 
@@ -437,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench_ssd.main(quick=args.quick, directory=args.dir)
     from kvseal.bench import engine as bench_engine
 
-    return bench_engine.main(quick=args.quick)
+    return bench_engine.main(quick=args.quick, plot=args.plot)
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:

@@ -1,6 +1,7 @@
 """The benchmarks run end to end in their quick form (no speed assertions): `kvseal bench engine --quick` ends
 with a well-formed RESULT line whose figures are named after what it measured, not after the full run's targets,
-on the base install (torch cannot be imported, neither by the benchmark nor by the engine it starts), and
+on the base install (torch cannot be imported, neither by the benchmark nor by the engine it starts), names the
+copy path and draws its plot, and
 `bench/store_ops.py --quick` prints its table with the cross-class stall, `kvseal bench cuda` on a machine without
 a GPU says what it needs, and `kvseal bench ssd --quick` ends with its RESULT line and
 leaves nothing in its directory."""
@@ -19,11 +20,13 @@ RESULT_KEYS = (
     "save_gbps",
     "load_gbps",
     "memcpy_gbps",
+    "stream_gbps",
     "save_ratio",
     "load_ratio",
     "query_p50_us",
     "query_50k_vs_1k",  # the full run's query_1m_vs_1k: --quick fills 50k blocks, not 1M
     "bytes_per_block_50k",  # the full run's bytes_per_block, at 1M
+    "max_lock_ms",
 )
 SMOKE_LINE = (
     "quick figures are smoke figures, not the targets': 16 blocks per RPC and 50k resident blocks here; the targets' "
@@ -39,7 +42,7 @@ def test_quick_engine_benchmark_prints_a_result_line(tmp_path: Path) -> None:
     (blocked / "__init__.py").write_text('raise ImportError("torch is not part of the base install")\n')
     path = os.pathsep.join(p for p in (str(blocked.parent), os.environ.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
-        [sys.executable, "-m", "kvseal", "bench", "engine", "--quick"],
+        [sys.executable, "-m", "kvseal", "bench", "engine", "--quick", "--plot", str(tmp_path / "copies.png")],
         capture_output=True,
         text=True,
         timeout=170,
@@ -56,6 +59,8 @@ def test_quick_engine_benchmark_prints_a_result_line(tmp_path: Path) -> None:
     for key, text in values.items():
         number = float(text)
         assert math.isfinite(number) and number > 0, f"{key}={text} in {last}"
+    assert "copies: kernel (streaming stores)" in proc.stdout  # the kernel is built by the install
+    assert (tmp_path / "copies.png").read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.timeout(120)

@@ -1,18 +1,19 @@
 """The copier (kvseal.engine.copy) against a reference that moves one slot at a time: any block ids and pages,
-consecutive or not, land byte-exact, and nothing else in the arena or the worker's memory changes. Worker memory
-as a numpy array (shared memory), and as a torch tensor copied by the CUDA copier's plan of 2D copies, run on host
-memory by kvseal.testing.cuda.HostRuntime (the plan CUDA memory takes; the real calls run on a GPU in
-`kvseal bench cuda`)."""
+consecutive or not, land byte-exact, and nothing else in the arena or the worker's memory changes. Every path:
+the native kernel (cached and streaming stores), numpy (the fallback when the kernel is not built), and the CUDA
+copier's plan of 2D copies or one batch, run on host memory by kvseal.testing.cuda.HostRuntime (the real calls run
+on a GPU in `kvseal bench cuda`)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvseal.core.store import PAGE_ALIGN, page_stride
-from kvseal.engine.copy import SlotSource, WorkerCopier, _spans
+from kvseal.engine.copy import COPY_PATH, SlotSource, WorkerCopier, _spans, kernel
 from kvseal.testing.cuda import HostRuntime
 
 NUM_BLOCKS, LAYERS, SEGMENT = 12, 3, 64
@@ -61,14 +62,30 @@ batches = st.integers(0, 8).flatmap(
 )
 
 
-@given(batches, st.sampled_from(["numpy", "cuda 2d", "cuda batch"]))
+PATHS = ["kernel", "kernel streaming", "numpy", "cuda 2d", "cuda batch"]
+
+
+def test_the_kernel_is_built_and_chosen() -> None:
+    assert kernel is not None, "kvseal/engine/_rows.c was not built: pip install -e . needs gcc and Python's headers"
+    assert COPY_PATH.startswith("kernel")
+
+
+@given(batches, st.sampled_from(PATHS))
 def test_save_then_load_moves_exactly_the_planned_slots(batch: tuple[list[int], list[int]], path: str) -> None:
     block_ids, pages = batch
-    as_torch = path != "numpy"
+    as_torch = path.startswith("cuda")
     memory, sources = worker_memory(as_torch)
     arena = np.zeros(PAGES * STRIDE + PAGE_ALIGN, dtype=np.uint8)
     runtime = HostRuntime()
-    copier = WorkerCopier(sources, arena, STRIDE, runtime, cuda_batch_from=0 if path == "cuda batch" else 1 << 30)
+    copier = WorkerCopier(
+        sources,
+        arena,
+        STRIDE,
+        runtime,
+        cuda_batch_from=0 if path == "cuda batch" else 1 << 30,
+        use_kernel=path.startswith("kernel"),
+        stream_from=0 if path == "kernel streaming" else 1 << 30,
+    )
     offsets = [p * STRIDE for p in pages]
 
     copier.save(block_ids, offsets)
@@ -94,3 +111,35 @@ def test_save_then_load_moves_exactly_the_planned_slots(batch: tuple[list[int], 
     for block in untouched:
         for layer in range(LAYERS):
             assert slot(memory, layer, block) == slot(before, layer, block)
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300), st.integers(0, 700)), min_size=1, max_size=6),
+    st.booleans(),
+)
+def test_the_kernel_copies_rows_of_any_size_and_alignment(rows: list[tuple[int, int, int]], streaming: bool) -> None:
+    """Heads before a 64-byte boundary, whole lines, tails: each row lands exactly, nothing around it changes."""
+    assert kernel is not None
+    src = np.random.default_rng(2).integers(0, 256, 1024, dtype=np.uint8)
+    dst = np.zeros(len(rows) * 1024, dtype=np.uint8)
+    expected = dst.copy()
+    dsts, srcs, sizes = [], [], []
+    for i, (d, s, n) in enumerate(rows):
+        dsts.append(dst.ctypes.data + i * 1024 + d)
+        srcs.append(src.ctypes.data + s)
+        sizes.append(n)
+        expected[i * 1024 + d : i * 1024 + d + n] = src[s : s + n]
+    as_words = [np.array(v, dtype=np.uint64) for v in (dsts, srcs, sizes)]
+    kernel.copy_rows(*as_words, streaming)
+    assert np.array_equal(dst, expected)
+
+
+def test_the_kernel_refuses_arrays_it_cannot_read_as_rows() -> None:
+    assert kernel is not None
+    one, two = np.zeros(1, dtype=np.uint64), np.zeros(2, dtype=np.uint64)
+    with pytest.raises(ValueError, match="one length"):
+        kernel.copy_rows(one, two, one, False)
+    with pytest.raises(TypeError, match="8-byte integers"):
+        kernel.copy_rows(np.zeros(1, dtype=np.uint32), one, one, False)
+    with pytest.raises(TypeError):
+        kernel.copy_rows(one, one, [0], False)  # not a buffer

@@ -22,11 +22,11 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
+from kvseal.engine.rows import Segment, SegmentTable
 from kvseal.errors import FailedPrecondition
 
 log = logging.getLogger(__name__)
@@ -185,17 +185,6 @@ def cuda_runtime() -> CudaRuntime:
         return _runtime
 
 
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """One layer segment of a worker: block 0's address on the GPU, the distance between its blocks there, its
-    bytes per block, and where it goes in a page."""
-
-    gpu: int
-    pitch: int
-    width: int
-    page_offset: int
-
-
 class CudaCopier:
     """The 2D copies of one worker's CUDA layer segments. `segments` on one device; `tensors` keeps the opened IPC
     allocations alive while the copier is."""
@@ -210,7 +199,7 @@ class CudaCopier:
         tensors: Sequence[Any] = (),
         batch_from: int = BATCH_FROM,
     ) -> None:
-        self._segments = sorted(segments, key=lambda s: s.page_offset)
+        self._table = SegmentTable(segments)
         self._device = device
         self._arena = arena
         self._arena_address = arena.ctypes.data
@@ -218,10 +207,6 @@ class CudaCopier:
         self._rt = runtime
         self._tensors = list(tensors)
         self.batch_from = batch_from
-        self._gpu = np.array([x.gpu for x in self._segments], dtype=np.int64)
-        self._pitch = np.array([x.pitch for x in self._segments], dtype=np.int64)
-        self._width = np.array([x.width for x in self._segments], dtype=np.int64)
-        self._offset = np.array([x.page_offset for x in self._segments], dtype=np.int64)
         runtime.set_device(device)
         self._stream = runtime.new_stream()
 
@@ -237,7 +222,7 @@ class CudaCopier:
             return
         rt, stream = self._rt, self._stream
         rt.set_device(self._device)
-        if len(spans) * len(self._segments) < self.batch_from or not self._copy_batch(spans, align, kind):
+        if len(spans) * len(self._table.segments) < self.batch_from or not self._copy_batch(spans, align, kind):
             self._copy_2d(spans, align, kind)
         rt.synchronize(stream)
 
@@ -246,8 +231,8 @@ class CudaCopier:
         rt, stream, stride, arena = self._rt, self._stream, self._page_stride, self._arena_address
         for first, pos, n in spans:
             page = arena + pos * align
-            for s in self._segments:
-                gpu, host = s.gpu + first * s.pitch, page + s.page_offset
+            for s in self._table.segments:
+                gpu, host = s.address + first * s.pitch, page + s.page_offset
                 if kind == DEVICE_TO_HOST:
                     rt.copy_2d(host, stride, gpu, s.pitch, s.width, n, kind, stream)
                 else:
@@ -256,14 +241,6 @@ class CudaCopier:
     def _copy_batch(self, spans: Sequence[tuple[int, int, int]], align: int, kind: int) -> bool:
         """One 1D copy per block and layer segment, all enqueued by one call: many short spans (scattered block
         ids), where a call per span and segment would cost more than the copies. Addresses computed in numpy."""
-        table = np.asarray(spans, dtype=np.int64).reshape(-1, 3)
-        lengths = table[:, 2]
-        span_start = np.repeat(np.cumsum(lengths) - lengths, lengths)
-        local = np.arange(int(lengths.sum()), dtype=np.int64) - span_start  # a block's index in its span
-        blocks = (np.repeat(table[:, 0], lengths) + local)[:, None]
-        pages = (self._arena_address + np.repeat(table[:, 1], lengths) * align + local * self._page_stride)[:, None]
-        gpu = (self._gpu + blocks * self._pitch).astype(np.uint64).ravel()  # [block][segment]
-        host = (pages + self._offset).astype(np.uint64).ravel()
-        sizes = np.broadcast_to(self._width, (len(blocks), len(self._width))).astype(np.uint64).ravel()
+        host, gpu, sizes = self._table.rows(spans, self._arena_address, align, self._page_stride)
         dsts, srcs = (host, gpu) if kind == DEVICE_TO_HOST else (gpu, host)
         return self._rt.copy_batch(dsts, srcs, sizes, self._stream)
