@@ -13,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvseal.core.store import PAGE_ALIGN, page_stride
-from kvseal.engine.copy import COPY_PATH, SlotSource, WorkerCopier, _spans, kernel
+from kvseal.engine.copy import SlotSource, WorkerCopier, _spans
+from kvseal.engine.kernel import COPY_PATH, copy_page, kernel
 from kvseal.testing.cuda import HostRuntime
 
 NUM_BLOCKS, LAYERS, SEGMENT = 12, 3, 64
@@ -143,3 +144,12 @@ def test_the_kernel_refuses_arrays_it_cannot_read_as_rows() -> None:
         kernel.copy_rows(np.zeros(1, dtype=np.uint32), one, one, False)
     with pytest.raises(TypeError):
         kernel.copy_rows(one, one, [0], False)  # not a buffer
+
+
+def test_copy_page_moves_a_whole_page_or_refuses_another_size() -> None:
+    page = np.random.default_rng(3).integers(0, 256, (2 << 20) + 24, dtype=np.uint8)
+    into = bytearray(page.nbytes)
+    copy_page(memoryview(into), page.tobytes())
+    assert bytes(into) == page.tobytes()
+    with pytest.raises(ValueError, match="bytes into"):
+        copy_page(memoryview(into)[1:], page)

@@ -24,7 +24,6 @@ together is carved or evicted in order, and vLLM hands out fresh block ids in or
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,16 +33,8 @@ from numpy.lib.stride_tricks import as_strided
 
 from kvseal.core.store import PAGE_ALIGN
 from kvseal.engine.cuda import BATCH_FROM, CudaCopier, Runtime, cuda_runtime
+from kvseal.engine.kernel import STREAM_FROM, USE_KERNEL, kernel
 from kvseal.engine.rows import Segment, SegmentTable
-
-try:
-    from kvseal.engine import _rows as kernel
-except ImportError:  # not built: numpy copies
-    kernel = None  # type: ignore[assignment]
-
-STREAM_FROM = 4 << 20  # bytes per call from which the kernel uses non-temporal stores (measured: equal at 1-4 MiB)
-USE_KERNEL = kernel is not None and os.environ.get("KVSEAL_COPY", "") != "numpy"
-COPY_PATH = ("kernel (streaming stores)" if kernel.STREAMING else "kernel") if USE_KERNEL else "numpy"
 
 
 @dataclass(frozen=True, slots=True)

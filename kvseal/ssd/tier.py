@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from kvseal.core.layout import Layout, layout_from_descriptor, namespace_final
+from kvseal.engine.kernel import copy_page
 from kvseal.ssd import format as fmt
 from kvseal.ssd.device import ALIGN, Device, aligned_buffer
 
@@ -446,7 +447,7 @@ class DiskTier:
             _, item = next(item_iter)
             hlen = fmt.header_len(ns.name, block_hash)
             payload = view[local + hlen : local + hlen + ns.page_bytes]
-            payload[:] = item.page
+            copy_page(payload, item.page)
             xxh = fmt.checksum(payload)
             head = fmt.encode_record_header(fmt.BLOCK, ns.tenant, ns.name, ns.layout.digest, block_hash, payload, xxh)
             view[local : local + hlen] = head
@@ -589,7 +590,7 @@ class DiskTier:
             at = _unloc(loc)[2] - start
             try:
                 payload = _verified_payload(ns, data[at:], hashes[i])
-                np.copyto(np.frombuffer(destinations[i], np.uint8), np.frombuffer(payload, np.uint8))
+                copy_page(destinations[i], payload)
                 results[i] = ""
             except fmt.FormatError as e:
                 results[i] = e.reason
