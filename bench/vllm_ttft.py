@@ -206,9 +206,15 @@ def main() -> int:
     p.add_argument("--workdir", type=Path, default=None, help="logs and ExampleConnector files (default: temp)")
     p.add_argument("--report", type=Path, default=None, help="print the report of DIR/results.json again, run nothing")
     p.add_argument("--ssd", type=Path, default=None, help="also measure hits from an SSD tier in this directory")
+    p.add_argument("--plot", type=Path, default=None, help="draw the TTFT bars with the floor (needs matplotlib)")
     a = p.parse_args()
+    if a.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot needs matplotlib: pip install 'kvseal[plot]'")
     if a.report:
-        return report(json.loads((a.report / "results.json").read_text()))
+        return report(json.loads((a.report / "results.json").read_text()), a.plot)
     if a.prompt_len % 128 == 1:
         # ExampleConnector saves a prompt of n tokens under its first (n-1)//128 blocks but looks it up under
         # (n-2)//128 blocks, so it never hits when n % 128 == 1
@@ -294,11 +300,49 @@ def main() -> int:
         shutil.rmtree(storage, ignore_errors=True)  # keep the logs, drop the ExampleConnector's files
     saved = {"results": results, "connectable": connectable, "contention": contention}
     (workdir / "results.json").write_text(json.dumps(saved))
-    return report(saved)
+    return report(saved, a.plot)
 
 
-def report(saved: dict[str, Any]) -> int:
-    """Prints the checks, the tables and the RESULT line; returns 1 when a check failed."""
+def plot_ttft(results: dict[str, Any], path: Path) -> None:
+    """One bar per run (median TTFT, min-max as whiskers) and the local-hit floor as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in ("base", "kvseal cold", "kvseal warm", "example warm", "kvseal ssd warm") if n in results]
+    ttfts = [[q["ttft_s"] * 1e3 for q in results[n]["requests"]] for n in names]
+    medians = [statistics.median(t) for t in ttfts]
+    errors = [
+        [m - min(t) for m, t in zip(medians, ttfts, strict=True)],
+        [max(t) - m for m, t in zip(medians, ttfts, strict=True)],
+    ]
+    floor = statistics.median(q["ttft_s"] * 1e3 for q in results["base"]["repeats"])
+    fig, (whole, warm) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [3, 2]})
+    whole.bar(
+        names,
+        medians,
+        yerr=errors,
+        capsize=4,
+        color=["grey", "tab:blue", "tab:blue", "tab:orange", "tab:green"][: len(names)],
+    )
+    whole.axhline(floor, color="black", linestyle="dashed", label=f"vLLM's own local hit (floor) {floor:.0f} ms")
+    whole.set_ylabel("TTFT, ms (median; whiskers min-max)")
+    whole.legend(fontsize="small")
+    whole.tick_params(axis="x", labelsize=8)
+    hits = [n for n in names if n.endswith("warm")]
+    over = [statistics.median(t) - floor for n, t in zip(names, ttfts, strict=True) if n.endswith("warm")]
+    warm.bar(hits, over, color=["tab:blue", "tab:orange", "tab:green"][: len(hits)])
+    warm.set_ylabel("warm TTFT over the floor, ms")
+    warm.tick_params(axis="x", labelsize=8)
+    fig.suptitle("vLLM time to first token: kvseal and ExampleConnector against the local-hit floor", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(saved: dict[str, Any], plot: Path | None = None) -> int:
+    """Prints the checks, the tables and the RESULT line (and draws the plot); returns 1 when a check failed."""
     results, connectable = saved["results"], saved["connectable"]
     rows = [(name, r["requests"]) for name, r in results.items()]
     rows.insert(1, ("base local hit", results["base"]["repeats"]))
@@ -413,6 +457,8 @@ def report(saved: dict[str, Any]) -> int:
         f"example_warm_ttft_ms={ex_warm:.1f} warm_vs_example={warm_vs_example:.3f} cold_vs_base={cold_vs_base:.3f} "
         f"floor_ttft_ms={floor:.1f} warm_over_floor_ms={over:.1f} example_over_floor_ms={ex_over:.1f}" + ssd
     )
+    if plot is not None:
+        plot_ttft(results, plot)
     return 1 if problems else 0
 
 
