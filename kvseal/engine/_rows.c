@@ -17,12 +17,17 @@
 
 #define STREAMING 1
 
+/* Copies the bytes before dst's next 64-byte boundary, so that the streaming stores that follow are aligned. */
+static inline void copy_head(char **dst, const char **src, size_t *n) {
+    size_t head = (64 - ((uintptr_t)*dst & 63)) & 63;
+    if (head > *n) head = *n;
+    memcpy(*dst, *src, head);
+    *dst += head, *src += head, *n -= head;
+}
+
 /* 64 bytes a step (one cache line): loads unaligned, stores aligned and non-temporal. */
 __attribute__((target("avx2"))) static void stream_avx2(char *dst, const char *src, size_t n) {
-    size_t head = (64 - ((uintptr_t)dst & 63)) & 63;
-    if (head > n) head = n;
-    memcpy(dst, src, head);
-    dst += head, src += head, n -= head;
+    copy_head(&dst, &src, &n);
     for (; n >= 64; n -= 64, dst += 64, src += 64) {
         __m256i a = _mm256_loadu_si256((const __m256i *)src);
         __m256i b = _mm256_loadu_si256((const __m256i *)(src + 32));
@@ -33,10 +38,7 @@ __attribute__((target("avx2"))) static void stream_avx2(char *dst, const char *s
 }
 
 static void stream_sse2(char *dst, const char *src, size_t n) {
-    size_t head = (64 - ((uintptr_t)dst & 63)) & 63;
-    if (head > n) head = n;
-    memcpy(dst, src, head);
-    dst += head, src += head, n -= head;
+    copy_head(&dst, &src, &n);
     for (; n >= 64; n -= 64, dst += 64, src += 64) {
         __m128i a = _mm_loadu_si128((const __m128i *)src);
         __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
