@@ -734,7 +734,8 @@ def _measure(
         result["bytes_per_block"] = bytes_per_block
         m = engine.metrics()
         result["max_lock_ms"] = m.get("kvseal_engine_lock_max_hold_seconds", float("nan")) * 1e3
-        print(f"engine lock: longest hold over the run {result['max_lock_ms']:.2f} ms")
+        where = next((k for k in m if k.startswith("kvseal_engine_lock_max_hold_info{")), "")
+        print(f"engine lock: longest hold over the run {result['max_lock_ms']:.2f} ms ({where.partition('{')[2][:-1]})")
         client.close()
     except BaseException:
         if engine.proc.poll() is not None:
