@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvseal.core.layout import LayerGeometry, Layout, build_layout
-from kvseal.core.store import DRAIN_PASSES, INFLIGHT, SEALED, BlockStore, LoadPlan, SavePlan
+from kvseal.core.store import DRAIN_PASSES, INFLIGHT, SEALED, BlockIndex, BlockStore, LoadPlan, SavePlan
 from kvseal.errors import NotFound
 from kvseal.testing.clock import FakeClock
 
@@ -796,7 +796,7 @@ class StoreMachine(RuleBasedStateMachine):
         for lease_id in [i for i, lease in self.leases.items() if lease.deadline <= now]:
             del self.leases[lease_id]
 
-    def index(self, instance: str) -> dict[bytes, int]:
+    def index(self, instance: str) -> BlockIndex:
         return self.store._namespaces[self.ns[instance]].index
 
     # -- rules
