@@ -787,7 +787,7 @@ def plot_copies(figures: Sequence[CopyFigures], path: Path) -> None:
     series = [
         ("save", [f.gbps(f.save_s) for f in figures]),
         ("load", [f.gbps(f.load_s) for f in figures]),
-        ("memcpy (cached stores)", [f.memcpy_gbps for f in figures]),
+        ("memcpy (np.copyto)", [f.memcpy_gbps for f in figures]),
         ("streaming copy", [f.stream_gbps for f in figures]),
     ]
     fig, ax = plt.subplots(figsize=(8, 4.5))
