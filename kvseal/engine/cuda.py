@@ -48,6 +48,7 @@ class Runtime(Protocol):
         ...
 
     def synchronize(self, stream: int) -> None: ...
+    def destroy_stream(self, stream: int) -> None: ...
 
 
 class CudaRuntime:
@@ -61,6 +62,7 @@ class CudaRuntime:
         lib.cudaMemcpy2DAsync.argtypes = [vp, sz, vp, sz, sz, sz, ctypes.c_int, vp]
         lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
         lib.cudaStreamSynchronize.argtypes = [vp]
+        lib.cudaStreamDestroy.argtypes = [vp]
         lib.cudaSetDevice.argtypes = [ctypes.c_int]
         lib.cudaHostRegister.argtypes = [vp, sz, ctypes.c_uint]
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
@@ -68,9 +70,8 @@ class CudaRuntime:
         self._batch = getattr(lib, "cudaMemcpyBatchAsync", None)  # CUDA 12.8+
         if self._batch is not None:
             # CUDA 12.x has a failIdx argument before the stream; 13 dropped it
-            self._batch_fail_idx = int(major_version(lib)) < 13
-            ptr = ctypes.c_void_p
-            self._batch.argtypes = [ptr, ptr, ptr, sz, ptr, ptr, sz] + ([ptr] if self._batch_fail_idx else []) + [ptr]
+            self._batch_fail_idx = _major_version(lib) < 13
+            self._batch.argtypes = [vp, vp, vp, sz, vp, vp, sz] + ([vp] if self._batch_fail_idx else []) + [vp]
             self._attrs = _MemcpyAttributes(srcAccessOrder=1)  # cudaMemcpySrcAccessOrderStream
             self._attrs_idx = (ctypes.c_size_t * 1)(0)
         self._pinned: set[int] = set()
@@ -116,6 +117,9 @@ class CudaRuntime:
     def synchronize(self, stream: int) -> None:
         self._check(self._lib.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
 
+    def destroy_stream(self, stream: int) -> None:
+        self._lib.cudaStreamDestroy(stream)
+
     def pin(self, address: int, size: int) -> bool:
         """Page-locks host memory once (portable: every device sees it pinned). False when refused."""
         with self._pin_lock:
@@ -123,7 +127,7 @@ class CudaRuntime:
                 return True
             err = self._lib.cudaHostRegister(address, size, 1)  # cudaHostRegisterPortable
             if err:
-                self._lib.cudaGetLastError()  # clear the sticky-free error so the next call does not report it
+                self._lib.cudaGetLastError()  # clear it, so that the next call does not report it
                 log.warning(
                     "kvseal: the pool (%d bytes) could not be page-locked for CUDA copies (%s); they run from "
                     "pageable memory, several times slower: raise the engine's RLIMIT_MEMLOCK (ulimit -l)",
@@ -149,7 +153,7 @@ class _MemcpyAttributes(ctypes.Structure):
     ]
 
 
-def major_version(lib: ctypes.CDLL) -> int:
+def _major_version(lib: ctypes.CDLL) -> int:
     version = ctypes.c_int(0)
     lib.cudaRuntimeGetVersion(ctypes.byref(version))
     return version.value // 1000
@@ -162,8 +166,8 @@ def _load_cudart() -> ctypes.CDLL:
         raise FailedPrecondition("CUDA memory: the engine was installed without torch") from None
     major = (torch.version.cuda or "").split(".")[0]
     names = [f"libcudart.so.{major}"] if major else []
-    for base in {os.path.dirname(os.path.dirname(torch.__file__))}:  # site-packages
-        names += sorted(glob.glob(os.path.join(base, "nvidia", "**", "libcudart.so*"), recursive=True))
+    site_packages = os.path.dirname(os.path.dirname(torch.__file__))
+    names += sorted(glob.glob(os.path.join(site_packages, "nvidia", "**", "libcudart.so*"), recursive=True))
     names.append("libcudart.so")
     for name in names:
         try:
@@ -209,6 +213,10 @@ class CudaCopier:
         self.batch_from = batch_from
         runtime.set_device(device)
         self._stream = runtime.new_stream()
+
+    def __del__(self) -> None:  # a worker that registers again gets a new copier: its stream goes with the old one
+        if getattr(self, "_stream", None):
+            self._rt.destroy_stream(self._stream)
 
     def save(self, spans: Sequence[tuple[int, int, int]], align: int) -> None:
         """Copies each span (first block id, first page position in `align` units, length) into its pages."""

@@ -38,3 +38,6 @@ class HostRuntime:
 
     def synchronize(self, stream: int) -> None:
         self.synchronized += 1
+
+    def destroy_stream(self, stream: int) -> None:
+        pass
