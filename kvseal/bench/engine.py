@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from kvseal.client import EngineClient, layer_from_array
-from kvseal.engine.kernel import COPY_PATH, USE_KERNEL, kernel
+from kvseal.engine.kernel import COPY_PATH, kernel
 from kvseal.errors import KvsealError
 from kvseal.memfd import SharedArray
 
@@ -285,9 +285,9 @@ class Memcpy:
         self._at = 0
 
     def seconds(self, nbytes: int, reps: int, *, streaming: bool = False) -> float:
-        """Best of `reps` copies of `nbytes`: np.copyto, or with streaming, the kernel's non-temporal copy (inf
-        when the kernel is not built)."""
-        if streaming and not USE_KERNEL:
+        """Best of `reps` copies of `nbytes`: np.copyto, or with streaming, the kernel's non-temporal copy (also
+        when KVSEAL_COPY=numpy makes the engine copy with numpy; inf when the kernel is not built)."""
+        if streaming and kernel is None:
             return float("inf")
         n = nbytes // 8
         best = float("inf")
