@@ -1,5 +1,7 @@
 """The engine in-process (no server): a save with new, sealed and repeated hashes at scattered and consecutive
-block ids loads back byte-exact with exact counts and balanced accounting; a copy that fails stores nothing."""
+block ids loads back byte-exact with exact counts and balanced accounting; a copy that fails stores nothing. Both
+with the default SAVE_STEP and with steps of 7 hashes (a Save reserves its pages a step per engine-lock hold, a
+repeated hash landing in two steps)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvseal.core.layout import LayerGeometry, LayerRegistration, WorkerRegistration
-from kvseal.engine.engine import Engine, Peer, Session
+from kvseal.engine.engine import SAVE_STEP, Engine, Peer, Session
 from kvseal.engine.memory import ShmSpec
 from kvseal.memfd import SharedArray
 
@@ -43,8 +45,15 @@ def hashes(start: int, n: int) -> list[bytes]:
     return [i.to_bytes(32, "big") for i in range(start, start + n)]
 
 
-def test_a_save_loads_back_byte_exact(engine: tuple[Engine, np.ndarray]) -> None:
+@pytest.fixture(params=[SAVE_STEP, 7], ids=["one step", "steps of 7"])
+def step(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setattr("kvseal.engine.engine.SAVE_STEP", request.param)
+    return int(request.param)
+
+
+def test_a_save_loads_back_byte_exact(engine: tuple[Engine, np.ndarray], step: int) -> None:
     eng, memory = engine
+    holds = eng.lock_statistics().holds
     first = eng.save(WORKER, hashes(0, 10), list(range(10)), SESSION)
     assert (first.written, first.completed) == (10, 10)
 
@@ -54,6 +63,8 @@ def test_a_save_loads_back_byte_exact(engine: tuple[Engine, np.ndarray]) -> None
     r = eng.save(WORKER, batch, ids, SESSION)
     assert (r.written, r.skipped, r.not_stored, r.completed) == (35, 5, 0, 34)
     eng.store.check_invariants()
+    steps = -(-10 // step) + -(-len(batch) // step)  # each step one hold to reserve and one to finish
+    assert eng.lock_statistics().holds - holds == 2 * steps + 2  # and one each for the counters
 
     source = memory[:44].copy()
     memory[:44] = 0
@@ -69,7 +80,9 @@ def test_a_save_loads_back_byte_exact(engine: tuple[Engine, np.ndarray]) -> None
     eng.store.check_invariants()
 
 
-def test_a_failed_copy_stores_nothing(engine: tuple[Engine, np.ndarray], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_copy_stores_nothing(
+    engine: tuple[Engine, np.ndarray], step: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     eng, _ = engine
     (worker,) = eng._instances["w"].workers.values()
     assert worker.copier is not None
