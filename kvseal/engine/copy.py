@@ -111,6 +111,7 @@ class WorkerCopier:
         if host and use_kernel:
             self._rows = SegmentTable([_segment(s, k) for s in host for k in range(s.segments)])
             self._row_bytes = int(self._rows.width.sum())
+            self._mapped = [s.memory for s in host] + [arena]  # the kernel has addresses only: keep the maps alive
         else:
             self._runs = [_build_run(run, arena) for run in _runs(host)]
         tensors = [s for s in sources if not isinstance(s.memory, np.ndarray)]
