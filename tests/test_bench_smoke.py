@@ -89,6 +89,28 @@ def test_cuda_benchmark_without_a_gpu_says_what_it_needs() -> None:
     assert "RESULT" not in proc.stdout
 
 
+def test_plot_usage_errors_say_what_to_do(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvseal", "bench", "ssd", "--plot", str(tmp_path / "x.png")],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert proc.returncode == 2 and "--plot is for `kvseal bench engine`" in proc.stderr
+    blocked = tmp_path / "no-matplotlib" / "matplotlib"  # the base install has no matplotlib
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text('raise ImportError("matplotlib is an extra")\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvseal", "bench", "engine", "--quick", "--plot", str(tmp_path / "x.png")],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env=dict(os.environ, PYTHONPATH=str(blocked.parent)),
+    )
+    assert proc.returncode == 2 and "--plot needs matplotlib: pip install 'kvseal[plot]'" in proc.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
 def _quick_result(proc: subprocess.CompletedProcess[str]) -> dict[str, float]:
     """The figures of a --quick benchmark's last line, which must be a RESULT line; the run said it was quick."""
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"

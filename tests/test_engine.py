@@ -1,7 +1,8 @@
 """The engine in-process (no server): a save with new, sealed and repeated hashes at scattered and consecutive
 block ids loads back byte-exact with exact counts and balanced accounting; a copy that fails stores nothing. Both
 with the default SAVE_STEP and with steps of 7 hashes (a Save reserves its pages a step per engine-lock hold, a
-repeated hash landing in two steps)."""
+repeated hash landing in two steps). CUDA handles: another user's are refused before they are opened; an engine
+without a GPU says so."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 
 from kvseal.core.layout import LayerGeometry, LayerRegistration, WorkerRegistration
 from kvseal.engine.engine import SAVE_STEP, Engine, Peer, Session
-from kvseal.engine.memory import ShmSpec
+from kvseal.engine.memory import CudaSpec, ShmSpec
+from kvseal.errors import FailedPrecondition, PermissionDenied
 from kvseal.memfd import SharedArray
 
 SLOT = 4096  # one layer, 4 KiB per block
@@ -96,4 +98,28 @@ def test_a_failed_copy_stores_nothing(
     assert eng.query("w", hashes(0, 48), SESSION.peer).hits == 0
     s = eng.store.statistics()
     assert (s.resident_blocks, s.inflight_blocks, s.free_bytes) == (0, 0, s.arena_bytes)
+    eng.store.check_invariants()
+
+
+def _cuda_registration(instance: str) -> WorkerRegistration:
+    handle = CudaSpec(0, b"\0" * 64, 1 << 20, 0, b"\0" * 64, 0, b"", False, 0)
+    layer = LayerRegistration(LayerGeometry("model.layers.0.attn", "bfloat16", SLOT, 1, 0, "test"), 8, (SLOT,), handle)
+    return WorkerRegistration(instance, "ns", 0, 1, 0, 1, 16, (layer,))
+
+
+def test_another_users_cuda_handle_is_refused_before_it_is_opened(engine: tuple[Engine, np.ndarray]) -> None:
+    """The driver does not tie a CUDA IPC handle to the process that exported it: a handle from another user could
+    name any tenant's GPU memory, so the engine takes them from its own user or root only."""
+    eng, _ = engine
+    stranger = Session(Peer(uid=os.getuid() + 4242, pid=1))
+    with pytest.raises(PermissionDenied, match="CUDA IPC handles are accepted only from the engine's own user"):
+        eng.register(_cuda_registration("stranger"), stranger, [])
+    assert "stranger" not in eng._instances
+
+
+def test_a_cuda_handle_on_an_engine_without_a_gpu_says_so(engine: tuple[Engine, np.ndarray]) -> None:
+    eng, _ = engine
+    with pytest.raises(FailedPrecondition, match="no CUDA device; register shared CPU memory"):
+        eng.register(_cuda_registration("gpu"), SESSION, [])
+    assert "gpu" not in eng._instances
     eng.store.check_invariants()
