@@ -13,10 +13,12 @@ layout digest against its namespace's descriptor and payload length against the 
 counted by reason, the record quarantined (dropped from the index, noted on the device so a restart skips it too)
 and reported to the caller, who serves the prefix before it.
 
-Recovery (`open`): sealed segments give their summary (one read each); a segment that was being written when the
-engine stopped is scanned record by record, cut at its first bad record (a torn tail) and sealed. A namespace whose
-descriptor is not one this version builds is dropped and reported; one whose final namespace was computed by an
-older fingerprint is re-keyed to the current one (the records keep their stored name, checked on read).
+Recovery (`open`): segment files the device does not trust (kvseal.ssd.device: a symlink, another user's file)
+are counted as bad ("untrusted") and skipped, their numbers never reused; sealed segments give their summary (one
+read each); a segment that was being written when the engine stopped is scanned record by record, cut at its first
+bad record (a torn tail) and sealed. A namespace whose descriptor is not one this version builds is dropped and
+reported; one whose final namespace was computed by an older fingerprint is re-keyed to the current one (the
+records keep their stored name, checked on read).
 
 A write that fails (ENOSPC, EIO, EFBIG) takes its device out of the write rotation with one logged error: what
 is already on it stays readable, and the engine keeps serving from memory. Nothing here blocks a Save: a batch
@@ -772,9 +774,13 @@ class _Recovery:
             quarantined, purged = _read_notes(d.device)
             self.purged = purged
             segments = d.device.segments()
-            # segment numbers only grow, past every segment a note names too: a note never applies to a newer one
+            untrusted: dict[int, str] = dict(getattr(d.device, "untrusted", {}))
+            for seq, why in sorted(untrusted.items()):
+                self._distrust(d.device, seq, why)
+            # segment numbers only grow, past every segment a note names too: a note never applies to a newer one,
+            # and past every name an untrusted file holds (never written through, nor its name reused)
             noted = [seq for seq, _ in quarantined] + [seq for seq, _ in purged.values()]
-            d.next_seq = max([d.next_seq, *(seq + 1 for seq in segments + noted)])
+            d.next_seq = max([d.next_seq, *(seq + 1 for seq in segments + noted + list(untrusted))])
             for seq in segments:
                 if self.mode == "none":
                     d.device.remove(seq)
@@ -796,6 +802,14 @@ class _Recovery:
             raise RuntimeError(f"ssd recovery (strict): {what}: {error}")
         self.bad[error.reason] += 1
         log.warning("ssd recovery: %s: %s", what, error)
+
+    def _distrust(self, device: Device, seq: int, why: str) -> None:
+        """A segment name the device would not open as the engine's own file (a symlink, another user's file...)."""
+        what = f"{device.name} segment {seq} is not trusted ({why})"
+        if self.mode == "strict":
+            raise RuntimeError(f"ssd recovery (strict): {what}")
+        self.bad["untrusted"] += 1
+        log.warning("ssd recovery: %s: skipped, never read nor written (move it away to silence this)", what)
 
     def _segment(self, d: _Device, seq: int, quarantined: set[int]) -> None:
         device = d.device
