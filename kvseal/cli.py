@@ -205,6 +205,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="seconds a lane connection that holds no registration may stay silent before it is closed",
     )
     serve.add_argument(
+        "--max-mapped-per-uid",
+        type=parse_size,
+        default=None,
+        help="bytes of their shared memory that the workers of one user (uid) may have the engine map and fault in "
+        "at once; 0 = no cap; the engine's own user and root are never capped; default: 4 x --pool-size",
+    )
+    serve.add_argument(
         "--no-prefault",
         action="store_true",
         help="do not fault the pool in at start (a faster start; first copies into fresh pages are slower)",
@@ -237,7 +244,13 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         default=None,
         help="HOST:PORT of a kvseal metaserver: heartbeat, announce resident blocks, withdraw evicted ones",
     )
-    serve.add_argument("--node-id", default=None, help="this node's name at the MetaServer; default: the host name")
+    serve.add_argument(
+        "--node-id",
+        default=None,
+        help="this engine's name at the MetaServer, held by one live engine at a time (a second one is refused at "
+        "start); default: HOSTNAME:PORT of --listen (HOSTNAME:PATH for a unix socket): different for every engine on "
+        "a host, the same across an engine's restarts",
+    )
     serve.add_argument(
         "--peer-listen",
         type=_grpc_address,
@@ -306,6 +319,14 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     meta.add_argument(
         "--forget-after", type=_positive_seconds, default=60.0, help="seconds after staleness a node is forgotten"
     )
+    meta.add_argument("--max-nodes", type=_at_least_one, default=4096, help="nodes known at once (live or stale)")
+    meta.add_argument("--max-blocks-per-node", type=_at_least_one, default=1 << 21, help="blocks one node may announce")
+    meta.add_argument(
+        "--max-blocks",
+        type=_at_least_one,
+        default=1 << 23,
+        help="blocks of every node together (the memory store needs ~0.6 KB per block)",
+    )
     meta.add_argument("--allow-remote", action="store_true", help="allow non-loopback addresses (needs a token)")
     meta.add_argument("--token", default=None, help="shared bearer token; default: $KVSEAL_TOKEN, else none")
     meta.add_argument("--log-level", type=str.upper, choices=_LOG_LEVELS, default="INFO", help="logging level")
@@ -340,6 +361,19 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         type=_positive_seconds,
         default=300.0,
         help="seconds an instance may take to answer (a decode stream: to stay silent) before the client gets 504",
+    )
+    router.add_argument(
+        "--max-requests",
+        type=int,
+        default=0,
+        help="requests served at once; beyond them a client gets 503 at once (0: a quarter of the open-file limit, "
+        "which the router raises to its hard limit, at most 8192)",
+    )
+    router.add_argument(
+        "--max-body-size",
+        type=_positive_size,
+        default="4MiB",
+        help="the largest request body; a larger one gets 413",
     )
     router.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --listen address")
     router.add_argument("--log-level", type=str.upper, choices=_LOG_LEVELS, default="INFO", help="logging level")
@@ -460,6 +494,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         lane_group=args.lane_group,
         lane_max_connections=args.lane_max_connections,
         lane_idle_timeout_s=args.lane_idle_timeout,
+        max_mapped_per_uid_bytes=args.max_mapped_per_uid,
         ssd_paths=tuple(args.ssd_path or ()),
         ssd_capacity_bytes=args.ssd_capacity or 0,
         ssd_segment_bytes=args.ssd_segment_size,
@@ -486,6 +521,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         token=args.token or os.environ.get("KVSEAL_TOKEN") or None,
         timeout_s=args.timeout,
         allow_remote=args.allow_remote,
+        max_requests=args.max_requests,
+        max_body_bytes=args.max_body_size,
     )
 
 
@@ -501,6 +538,9 @@ def _metaserver(args: argparse.Namespace) -> int:
         stale_after_s=args.stale_after,
         forget_after_s=args.forget_after,
         token=args.token,
+        max_nodes=args.max_nodes,
+        max_blocks_per_node=args.max_blocks_per_node,
+        max_blocks=args.max_blocks,
     )
     try:
         server = MetaServer(cfg)

@@ -73,3 +73,26 @@ def error_for_status(status: str, message: str) -> KvsealError:
             return cls(message)
     err = KvsealError(f"{status}: {message}")
     return err
+
+
+class AlreadyExists(KvsealError):
+    """What the request would take is held by someone else: a MetaServer node id that another live session holds."""
+
+    status = "ALREADY_EXISTS"
+
+
+QUOTE_CHARS = 32  # of a client's value quoted in an error message
+
+
+def quote(value: object) -> str:
+    """A client's value for an error message: its repr, cut to about QUOTE_CHARS characters (bytes for bytes), with
+    the full length said when cut, so a huge field never makes a huge message (gRPC drops details past its metadata
+    limit, and the client would see that instead of the field's name)."""
+    if isinstance(value, str | bytes | bytearray):
+        text, cut = repr(value[:QUOTE_CHARS]), len(value) > QUOTE_CHARS
+        size = f"{len(value)} {'characters' if isinstance(value, str) else 'bytes'}"
+    else:
+        text, cut, size = repr(value), False, "cut"
+    if len(text) > 3 * QUOTE_CHARS:  # escapes, or another type's long repr
+        text, cut = text[: 3 * QUOTE_CHARS], True
+    return f"{text}... ({size})" if cut else text

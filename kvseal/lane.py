@@ -44,7 +44,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvseal.errors import InvalidArgument
-from kvseal.limits import MAX_BLOCKS_PER_REQUEST, MAX_HASH_BYTES, MAX_LAYERS, MAX_REGISTER_BYTES
+from kvseal.limits import (
+    MAX_BLOCKS_PER_REQUEST,
+    MAX_HASH_BYTES,
+    MAX_INSTANCE_ID_CHARS,
+    MAX_LAYERS,
+    MAX_REGISTER_BYTES,
+    MAX_REQUEST_ID_CHARS,
+    MAX_TOKEN_BYTES,
+    check_length,
+)
 
 OP_QUERY, OP_RELEASE, OP_SAVE, OP_LOAD, OP_HELLO, OP_REGISTER, OP_UNREGISTER = 1, 2, 3, 4, 5, 6, 7
 OP_NAMES = {
@@ -232,7 +241,7 @@ def _block_ids(block_ids: Sequence[int], n: int) -> bytes:
 
 
 def decode_request(op: int, body: bytes) -> Request:
-    """Raises InvalidArgument on anything malformed."""
+    """Raises InvalidArgument on anything malformed, or longer than its limit (kvseal.limits), naming the field."""
     if op == OP_REGISTER:
         count_layers(body)
         return RegisterRequest(body)
@@ -240,11 +249,13 @@ def decode_request(op: int, body: bytes) -> Request:
         if op == OP_HELLO:
             (n,) = struct.unpack_from("<H", body, 0)
             _end(body, 2 + n, op)
+            check_length("token", body[2:], MAX_TOKEN_BYTES)
             return HelloRequest(body[2:].decode())
         (id_len,) = struct.unpack_from("<H", body, 0)
         pos = 2 + id_len
         if pos > len(body):
             raise InvalidArgument("instance_id runs past the end of the frame")
+        check_length("instance_id", body[2:pos], MAX_INSTANCE_ID_CHARS)  # utf-8 bytes: at least its characters
         instance_id = body[2:pos].decode()
         if op == OP_RELEASE:
             (lease_id,) = struct.unpack_from("<Q", body, pos)
@@ -255,6 +266,7 @@ def decode_request(op: int, body: bytes) -> Request:
             pos += 6
             if pos + rid_len > len(body):
                 raise InvalidArgument("request_id runs past the end of the frame")
+            check_length("request_id", body[pos : pos + rid_len], MAX_REQUEST_ID_CHARS)
             request_id = body[pos : pos + rid_len].decode()
             hashes, pos = _read_hashes(body, pos + rid_len)
             _end(body, pos, op)
@@ -333,6 +345,8 @@ def _read_hashes(body: bytes, pos: int) -> tuple[list[bytes], int]:
     end = pos + n * size
     if n == 0:
         return [], pos
+    if n > MAX_BLOCKS_PER_REQUEST:
+        raise InvalidArgument(f"block_hashes has {n} entries; at most {MAX_BLOCKS_PER_REQUEST}")
     if size == 0:
         raise InvalidArgument("block_hashes: hash_len is 0")
     if end > len(body):

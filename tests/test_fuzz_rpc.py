@@ -1021,3 +1021,117 @@ def test_regressions_found_by_fuzzing(setup: Setup, case: str) -> None:
         assert client.save(("fz-regress-ok", 0, 0), [case.encode()], [0]).written == 1
         assert client.unregister(("fz-regress-ok", 0, 0)) == 0
     check_engine_healthy(setup)
+
+
+# -------------------------------------------------------------------- fields over their limits (issue 19, item 12)
+
+MB = 1 << 20
+U16_MAX = 0xFFFF  # the lane frames instance_id, request_id and the token with a u16 length: their longest
+
+
+def _cuda_layer(**handles: bytes) -> pb.LayerSpec:
+    cuda = pb.CudaIpcHandle(storage_size=8, **handles)
+    return pb.LayerSpec(
+        name="l0",
+        dtype="float16",
+        segment_bytes=8,
+        segments=1,
+        layout_tag="t",
+        num_blocks=1,
+        strides=[8],
+        memory=pb.MemoryHandle(cuda=cuda),
+    )
+
+
+def _register_body(**changes: Any) -> bytes:
+    """A valid one-layer RegisterRequest (no descriptor travels: the length checks come first) with `changes`:
+    instance_id/namespace, or layer fields."""
+    request = pb.RegisterRequest(**_one_layer(0, instance_id=changes.pop("instance_id", "fz-long")))
+    if "namespace" in changes:
+        request.namespace = changes.pop("namespace")
+    if "layer" in changes:
+        request.layers[0].CopyFrom(changes.pop("layer"))
+    layer = request.layers[0]
+    for key, value in changes.items():
+        if key == "strides":
+            layer.strides[:] = value
+        else:
+            setattr(layer, key, value)
+    return request.SerializeToString()
+
+
+GRPC_LONG = {  # field -> (method, request)
+    "Describe.instance_id": ("Describe", lambda s: pb.DescribeRequest(instance_id="x" * MB)),
+    "Query.instance_id": ("Query", lambda s: pb.QueryRequest(instance_id="x" * MB, block_hashes=VALID_HASHES)),
+    "Query.request_id": ("Query", lambda s: pb.QueryRequest(instance_id=VALID, request_id="r" * MB)),
+    "Query.block_hashes[0]": ("Query", lambda s: pb.QueryRequest(instance_id=VALID, block_hashes=[b"h" * MB])),
+    "Query.block_hashes": ("Query", lambda s: pb.QueryRequest(instance_id=VALID, block_hashes=[b"h"] * MB)),
+    "Release.instance_id": ("Release", lambda s: pb.ReleaseRequest(instance_id="x" * MB, lease_id=1)),
+    "Compare.namespace_final": ("Compare", lambda s: pb.CompareRequest(namespace_final="n" * MB)),
+    "Compare.other_namespace_final": (
+        "Compare",
+        lambda s: pb.CompareRequest(namespace_final=s.valid.status.namespace_final, other_namespace_final="n" * MB),
+    ),
+    "Compare.other_descriptor": (  # 1 MB is within its limit: read, and refused as no descriptor
+        "Compare",
+        lambda s: pb.CompareRequest(namespace_final=s.valid.status.namespace_final, other_descriptor=b"{" * MB),
+    ),
+    "Compare.other_descriptor (5 MiB)": (
+        "Compare",
+        lambda s: pb.CompareRequest(namespace_final=s.valid.status.namespace_final, other_descriptor=b"{" * 5 * MB),
+    ),
+}
+
+LANE_LONG = {  # field -> frame
+    "token": lambda: fq.encode_hello("t" * U16_MAX),
+    "Query.instance_id": lambda: fq.encode_query("x" * U16_MAX, VALID_HASHES),
+    "Query.request_id": lambda: fq.encode_query(VALID, VALID_HASHES, request_id="r" * U16_MAX),
+    "Query.block_hashes": lambda: fq.encode_query(VALID, [b"h"] * MB),
+    "Release.instance_id": lambda: fq.encode_release("x" * U16_MAX, 1),
+    "Save.instance_id": lambda: fq.encode_save(("x" * U16_MAX, 0, 0), VALID_HASHES, [0, 1, 2, 3]),
+    "Save.block_hashes": lambda: fq.encode_save(("fz-a", 0, 0), [b"h"] * MB, [0] * MB),
+    "Load.instance_id": lambda: fq.encode_load(("x" * U16_MAX, 0, 0), VALID_HASHES, [0, 1, 2, 3]),
+    "Unregister.instance_id": lambda: fq.encode_unregister(("x" * U16_MAX, 0, 0)),
+    "Register.instance_id": lambda: fq.encode_register(_register_body(instance_id="x" * MB)),
+    "Register.namespace": lambda: fq.encode_register(_register_body(namespace="n" * MB)),
+    "Register.layers[0].name": lambda: fq.encode_register(_register_body(name="l" * MB)),
+    "Register.layers[0].dtype": lambda: fq.encode_register(_register_body(dtype="d" * MB)),
+    "Register.layers[0].layout_tag": lambda: fq.encode_register(_register_body(layout_tag="t" * MB)),
+    "Register.layers[0].strides": lambda: fq.encode_register(_register_body(strides=[1] * MB)),
+    **{
+        f"Register.layers[0].memory.cuda.{name}": lambda name=name: fq.encode_register(  # type: ignore[misc]
+            _register_body(layer=_cuda_layer(**{name: b"c" * MB}))
+        )
+        for name in ("handle", "ref_counter_handle", "event_handle")
+    },
+}
+
+
+def _field_named(case: str) -> str:
+    """The field a message must name: 'Query.block_hashes[0]' -> 'block_hashes[0]'."""
+    return case.split(" ")[0].split(".", 1)[-1]
+
+
+@pytest.mark.parametrize("case", list(GRPC_LONG))
+def test_a_long_field_on_grpc_is_invalid_argument_naming_it_briefly(setup: Setup, case: str) -> None:
+    """Issue 19, item 12: a 1 MB instance_id on Query once answered gRPC's "metadata size exceeds hard limit" (the
+    engine echoed it in its error). Every field over its limit is INVALID_ARGUMENT naming it in a short message."""
+    method, request = GRPC_LONG[case]
+    with pytest.raises(grpc.RpcError) as info:
+        getattr(setup.stub, method)(request(setup), timeout=30)
+    message = info.value.details() or ""
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (case, info.value.code(), message[:300])
+    assert _field_named(case) in message and len(message.encode()) < 200, (case, message[:300])
+
+
+@pytest.mark.parametrize("case", list(LANE_LONG))
+def test_a_long_field_on_the_lane_is_invalid_argument_naming_it_briefly(setup: Setup, case: str) -> None:
+    """The lane's fields framed with a u16 length are sent at their longest (64 KiB - 1), the others at 1 MB."""
+    with LaneConn(setup.lane_path) as conn:
+        reply = conn.call(LANE_LONG[case]())
+        assert reply is not None, case
+        code, body = reply
+        message = body.decode()
+        assert code == INVALID, (case, code, message[:300])
+        assert _field_named(case) in message and len(body) < 200, (case, message[:300])
+        assert conn.call(fq.encode_hello("")) == (0, b"")  # the connection still serves

@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import REPO, EngineProcess, http_get, wait_until
+from conftest import REPO, EngineProcess, Meta, http_get, save_blocks, wait_until
 from workers import KV_SHAPE, Worker, attn_layers
 
 from kvseal import lane as ln
@@ -768,6 +768,79 @@ def test_a_registered_memfd_cannot_shrink_and_unsealed_memory_is_refused(
     assert "unsealed" not in {i["instance_id"] for i in engine.get_json("/v1/instances")}
 
 
+# -------------------------------------------------------------------- 4b. sparse memory: mapped as far as layers go
+
+SPARSE_BYTES = 1 << 30
+MAPPED_CAP = "8MiB"
+
+
+def sparse_layer(fd: int, offset: int, blocks: int, stride: int) -> pb.LayerSpec:
+    """A layer of `blocks` SLOT-byte blocks `stride` apart from `offset` in a SPARSE_BYTES memfd."""
+    spec = layer_spec(fd, blocks)
+    spec.strides[:] = [stride]
+    spec.memory.shm.CopyFrom(pb.ShmHandle(fd=fd, offset=offset, size=SPARSE_BYTES))
+    return spec
+
+
+def attack_sparse_memfd(target: str, engine_pid: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    fd = new_memfd(SPARSE_BYTES)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    offset = (512 << 20) + 100  # four blocks half way in, not page-aligned: the only bytes this user wrote
+    data = pattern(11, 4).tobytes()
+    os.pwrite(fd, data, offset)
+    client = EngineClient(target, timeout=30)
+    before = rss_bytes(engine_pid)
+    small = sparse_layer(fd, offset, 4, SLOT)
+    out["small"] = outcome(lambda: client.register(**registration("sparse-A", [small])).sealed)
+    out["small growth"] = rss_bytes(engine_pid) - before
+    # the blocks go through the mapped window byte-exact, both ways
+    tags = hashes("sparse", 4)
+    out["save"] = outcome(lambda: client.save(("sparse-A", 0, 0), tags, [0, 1, 2, 3]).completed)
+    os.pwrite(fd, bytes(len(data)), offset)
+    lease = client.query("sparse-A", tags).lease_id
+    out["load"] = outcome(lambda: client.load(("sparse-A", 0, 0), tags, [0, 1, 2, 3], lease_id=lease).loaded)
+    out["round trip"] = os.pread(fd, len(data), offset) == data
+    # 6 MiB (two blocks 6 MiB - 4 KiB apart), twice: the second is over the 8 MiB cap until the first goes
+    six = sparse_layer(fd, 0, 2, (6 << 20) - SLOT)
+    out["6 MiB"] = outcome(lambda: client.register(**registration("sparse-B", [six])).sealed)
+    out["6 MiB more"] = outcome(lambda: client.register(**registration("sparse-C", [six])).sealed)
+    out["unregister"] = outcome(lambda: client.unregister(("sparse-B", 0, 0)))
+    out["6 MiB again"] = outcome(lambda: client.register(**registration("sparse-C", [six])).sealed)
+    # one layer spanning half the file: refused before anything is mapped
+    before = rss_bytes(engine_pid)
+    out["512 MiB"] = outcome(
+        lambda: client.register(**registration("sparse-D", [sparse_layer(fd, 0, 2, 512 << 20)])).sealed
+    )
+    out["512 MiB growth"] = rss_bytes(engine_pid) - before
+    client.close()
+    os.close(fd)
+    return out
+
+
+@needs_root
+def test_a_sparse_memfd_costs_the_engine_only_what_layers_cover_and_a_uid_has_a_cap(
+    engine_factory: Callable[..., EngineProcess], tenants: Callable[..., Tenant]
+) -> None:
+    """Issue 19 item 11: a 16 KiB layer in a 1 GiB sparse memfd once grew the engine's RSS by 1 GiB (it mapped
+    and faulted in the whole file). Now it maps the layers' extents, and a uid's mappings are capped."""
+    engine = engine_factory("--lane-group", nogroup(), "--max-mapped-per-uid", MAPPED_CAP)
+    out = as_nobody("sparse_memfd", target=engine.target, engine_pid=engine.pid)
+    assert out["small"] == ["OK", True], out
+    assert out["small growth"] < 64 << 20, out  # 1 GiB before the fix
+    assert out["save"] == ["OK", 4] and out["load"] == ["OK", 4] and out["round trip"], out
+    assert out["6 MiB"] == ["OK", True], out
+    status, message = out["6 MiB more"]
+    assert status == "RESOURCE_EXHAUSTED", out
+    assert "--max-mapped-per-uid" in message and "8.0 MiB" in message and f"uid {NOBODY}" in message, message
+    assert out["unregister"] == ["OK", 0] and out["6 MiB again"] == ["OK", True], out
+    assert out["512 MiB"][0] == "RESOURCE_EXHAUSTED" and out["512 MiB growth"] < 16 << 20, out
+    # root (and the engine's own user) is not capped
+    big = tenants(engine, "root-big", blocks=4, slot=4 << 20)
+    assert big.status.sealed
+    assert engine.alive()
+
+
 # -------------------------------------------------------------------- 5. 1024 sessions at once
 
 SESSIONS = 1024
@@ -1225,3 +1298,100 @@ def test_soak_instances_save_and_load_in_a_2x_oversubscribed_pool(
                     assert np.array_equal(reader.shared.array[i], soak_content(block_hashes[i]))
     assert 0 < found <= resident
     assert m("kvseal_leases") == 0
+
+
+# ---------------------------------------------------------------- the MetaServer without a token
+
+
+def attack_metaserver(
+    target: str, http: str, namespace: str, block_hashes: list[str], real_node: str
+) -> dict[str, Any]:
+    """As nobody against a tokenless MetaServer: announce a forged holder of root's blocks, heartbeat root's node id
+    under a session of its own, and read."""
+    hs = [bytes.fromhex(x) for x in block_hashes]
+    blocks = [pb.NamespaceBlocks(namespace_final=namespace, block_hashes=hs)]
+    stub = pb_grpc.MetaServerStub(grpc.insecure_channel(target))
+
+    def beat(node: str) -> Any:
+        return stub.Heartbeat(pb.HeartbeatRequest(node_id=node, session="evil", address="127.0.0.1:9"), timeout=10)
+
+    return {
+        "heartbeat forged": outcome(lambda: beat("0-forged").new_session),
+        "announce forged": outcome(
+            lambda: (
+                stub.Announce(pb.BlocksRequest(node_id="0-forged", session="evil", blocks=blocks), timeout=10).changed
+            )
+        ),
+        "heartbeat the real node": outcome(lambda: beat(real_node).new_session),
+        "withdraw as the real node": outcome(
+            lambda: (
+                stub.Withdraw(pb.BlocksRequest(node_id=real_node, session="evil", blocks=blocks), timeout=10).changed
+            )
+        ),
+        "unregister the real node": outcome(
+            lambda: stub.Unregister(pb.UnregisterNodeRequest(node_id=real_node, session="evil"), timeout=10).removed
+        ),
+        "query": outcome(
+            lambda: len(
+                stub.QueryPrefix(pb.QueryPrefixRequest(namespace_final=namespace, block_hashes=hs), timeout=10).nodes
+            )
+        ),
+        "list": outcome(lambda: len(stub.ListNodes(pb.ListNodesRequest(), timeout=10).nodes)),
+        "http metrics": http_get(f"{http}/metrics")[0],
+        "http health": http_get(f"{http}/health")[0],
+    }
+
+
+@needs_root
+def test_another_user_can_neither_forge_a_holder_nor_take_a_node_id_at_a_tokenless_metaserver(
+    meta: Callable[..., Meta], engine_factory: Callable[..., EngineProcess]
+) -> None:
+    """Without a token the MetaServer serves its own user and root only (the caller's socket owner, as the engine
+    checks it). Before: nobody's forged holder sorted first and every fetch of the namespace missed after
+    --peer-timeout, and nobody's heartbeat of a node's id hid that node's blocks. Now both are PERMISSION_DENIED,
+    and another node fetches every block from the real one at once."""
+    m = meta()
+    flags = ("--metaserver", f"127.0.0.1:{m.port}", "--peer-timeout", "3")
+    a = engine_factory(*flags, "--node-id", "a")
+    hs = [f"m{i}".encode().ljust(32, b".") for i in range(8)]
+    namespace = save_blocks(a, "a1", "llama", hs)
+    wait_until(lambda: m.prefix(hs, ns=namespace) == {"a": 8}, 20, "A's blocks to be announced")
+    out = as_nobody(
+        "metaserver",
+        target=f"127.0.0.1:{m.port}",
+        http=f"http://127.0.0.1:{m.http_port}",
+        namespace=namespace,
+        block_hashes=[x.hex() for x in hs],
+        real_node="a",
+    )
+    for call in ("heartbeat forged", "announce forged", "heartbeat the real node", "withdraw as the real node"):
+        status, message = out[call]
+        assert status == "PERMISSION_DENIED" and "serves only its own user" in message, (call, out)
+    for call in ("unregister the real node", "query", "list"):
+        assert out[call][0] == "PERMISSION_DENIED", (call, out)
+    assert (out["http metrics"], out["http health"]) == (403, 200), out
+    assert m.prefix(hs, ns=namespace) == {"a": 8}
+
+    c = engine_factory(*flags, "--node-id", "c")
+    shared = SharedArray((len(hs), 16384))
+    try:
+        with EngineClient(c.target, timeout=30) as client:
+            layer = layer_from_array("model.layers.0.attn", shared.array, shared, layout_tag="t", dtype="uint8")
+            client.register(
+                instance_id="c1",
+                namespace="llama",
+                tp_rank=0,
+                tp_size=1,
+                pp_rank=0,
+                world_size=1,
+                block_size=16,
+                layers=[layer],
+            )
+            start = time.monotonic()
+            while (r := client.query("c1", hs, request_id="r1")).loading:
+                assert time.monotonic() - start < 3, "still loading after --peer-timeout"
+                time.sleep(0.01)
+            assert r.hits == 8 and r.namespace_final == namespace
+    finally:
+        shared.close()
+    assert c.metric("kvseal_peer_hits_total") == 8 and not c.metric("kvseal_peer_fetch_failures_total")

@@ -8,6 +8,7 @@ batches are one round trip, and a lost connection raises ConnectionError.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import random
 import shutil
 import socket
@@ -25,7 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from kvseal.meta.redis_store import PREFIX, RedisStore
-from kvseal.meta.store import MemoryStore, MetaStore, NodeHit, NodeInfo
+from kvseal.meta.store import MemoryStore, MetaStore, NodeHeld, NodeHit, NodeInfo, StoreFull
 
 REDIS_SERVER = "/usr/bin/redis-server"
 START_TIMEOUT_S = 10.0
@@ -163,9 +164,9 @@ def test_heartbeat_renewal_is_not_new_extends_expiry_keeps_blocks_and_takes_the_
     assert store.query_prefix(NS, H[:2], 18.5) == [hit("n1", 2, "elsewhere:2")]
 
 
-def test_heartbeat_with_another_session_is_a_restart_old_blocks_gone(store: MetaStore) -> None:
-    join(store, "n1", "old")
-    join(store, "n2", "x")
+def test_heartbeat_with_another_session_once_the_old_is_stale_is_a_restart_old_blocks_gone(store: MetaStore) -> None:
+    join(store, "n1", "old", now=10.0, stale=1.0)  # stale from 11.0
+    join(store, "n2", "x", now=10.0, stale=5.0)
     assert store.announce("n1", "old", blocks(0, 1, 2)) == 3
     assert store.announce("n2", "x", blocks(0)) == 1
     assert join(store, "n1", "new", now=11.0) is True
@@ -179,6 +180,51 @@ def test_heartbeat_with_another_session_is_a_restart_old_blocks_gone(store: Meta
     # the new session's blocks are its own
     assert store.announce("n1", "new", blocks(0, 1)) == 2
     assert store.query_prefix(NS, H[:3], 12.0) == [hit("n1", 2), hit("n2", 1)]
+
+
+def test_a_node_id_held_live_by_one_session_is_refused_to_another(store: MetaStore) -> None:
+    join(store, "n1", "first", now=10.0, stale=5.0)  # live until 15.0
+    store.announce("n1", "first", blocks(0, 1))
+    for now in (10.0, 12.0, 14.9):
+        with pytest.raises(NodeHeld) as e:
+            store.heartbeat("n1", "second", "elsewhere:2", now, 5.0)
+        assert (e.value.node_id, e.value.address, e.value.expires) == ("n1", "n1.addr:1", 15.0)
+    # nothing of the first session changed: it renews, keeps its blocks and its address
+    assert store.query_prefix(NS, H[:2], 14.9) == [hit("n1", 2)]
+    assert join(store, "n1", "first", now=14.0) is False
+    with pytest.raises(NodeHeld):
+        join(store, "n1", "second", now=18.0)
+    # once it unregisters (or goes stale), the id is free
+    assert store.unregister("n1", "first") is True
+    assert join(store, "n1", "second", now=18.0) is True
+    assert store.query_prefix(NS, H[:2], 18.0) == []
+
+
+def test_caps_on_nodes_blocks_per_node_and_blocks(store: MetaStore) -> None:
+    assert store.heartbeat("n1", "s1", "h:1", 10.0, 1.0, max_nodes=2) is True
+    assert store.heartbeat("n2", "s1", "h:2", 10.0, 5.0, max_nodes=2) is True
+    with pytest.raises(StoreFull) as e:
+        store.heartbeat("n3", "s1", "h:3", 10.0, 5.0, max_nodes=2)
+    assert (e.value.cap, e.value.limit) == ("nodes", 2)
+    assert store.heartbeat("n1", "s1", "h:1", 10.0, 1.0, max_nodes=2) is False  # known nodes renew
+    assert store.heartbeat("n1", "s2", "h:1", 11.0, 5.0, max_nodes=2) is True  # and take over a stale id
+    # blocks per node: a batch that would pass the cap changes nothing; blocks held already do not count again
+    assert store.announce("n1", "s2", blocks(0, 1, 2), max_node=3) == 3
+    with pytest.raises(StoreFull) as e:
+        store.announce("n1", "s2", blocks(2, 3), max_node=3)
+    assert (e.value.cap, e.value.limit) == ("blocks_per_node", 3)
+    assert store.announce("n1", "s2", blocks(0, 1, 1), max_node=3) == 0
+    assert store.nodes(11.0)[0].blocks == 3
+    # blocks in all (every known node's)
+    with pytest.raises(StoreFull) as e:
+        store.announce("n2", "s1", blocks(0, 1, 2), max_total=5)
+    assert (e.value.cap, e.value.limit) == ("blocks", 5)
+    assert store.announce("n2", "s1", blocks(0, 1), max_total=5) == 2
+    assert store.withdraw("n1", "s2", blocks(0)) == 1
+    assert store.announce("n2", "s1", blocks(2), max_total=5) == 1
+    assert store.query_prefix(NS, H[:3], 11.0) == [hit("n2", 3, "h:2")]
+    store.unregister("n1", "s2")  # its blocks stop counting at once
+    assert store.announce("n2", "s1", blocks(3, 4), max_total=5) == 2
 
 
 # --- announce / withdraw -----------------------------------------------------------------------------------------
@@ -340,6 +386,21 @@ def test_unregister_drops_the_node_and_its_blocks_at_once(store: MetaStore) -> N
     assert join(store, "n1") is True
 
 
+def test_memory_a_dropped_nodes_blocks_are_collected_in_steps_and_never_count_for_its_next_session() -> None:
+    store = MemoryStore()
+    join(store, "n1", "old", stale=1.0)
+    store.announce("n1", "old", blocks(*range(10)))
+    assert store.collect(4) is False  # nothing to collect
+    assert store.unregister("n1", "old") is True
+    assert store.query_prefix(NS, H[:10], 10.0) == []  # invisible at once
+    join(store, "n1", "new")
+    assert store.announce("n1", "new", blocks(0, 1)) == 2
+    assert store.query_prefix(NS, H[:10], 10.0) == [hit("n1", 2)]  # the old session's leftovers do not count
+    assert store.collect(4) is True and store.collect(4) is True and store.collect(4) is False
+    assert len(store._holders) == 2  # only the new session's blocks are left
+    assert store.query_prefix(NS, H[:10], 10.0) == [hit("n1", 2)]
+
+
 def test_nodes_lists_live_nodes_by_id_with_session_address_expiry_and_block_count(store: MetaStore) -> None:
     assert store.nodes(0.0) == []
     store.heartbeat("zz", "sz", "10.0.0.3:7", 10.0, 2.0)
@@ -361,7 +422,7 @@ def test_epoch_is_fixed_for_the_life_of_the_store(store: MetaStore) -> None:
     assert isinstance(epoch, str) and len(epoch) >= 8
     join(store, "n1")
     store.announce("n1", "s1", blocks(0))
-    join(store, "n1", "s2")
+    join(store, "n1", "s2", now=20.0)
     store.unregister("n1", "s2")
     store.purge(1e9, 0.0)
     join(store, "n2")
@@ -375,6 +436,16 @@ SESSIONS = ["s0", "s1", "s2"]
 NAMESPACES = ["ns", "ns:" + H[0].hex()]
 POOL = H[:6]
 STEPS = [0.0, 0.1, 0.3, 0.7, 1.0, 2.9]
+
+
+def outcome(call: Callable[..., object], *args: object, **kwargs: object) -> tuple[str, object]:
+    """("ok", what call(*args, **kwargs) returned), or the store's refusal and what it says."""
+    try:
+        return "ok", call(*args, **kwargs)
+    except NodeHeld as e:
+        return "held", (e.node_id, e.address, e.expires)
+    except StoreFull as e:
+        return "full", (e.cap, e.limit)
 
 
 def _assert_agree(mem: MemoryStore, reds: list[RedisStore], now: float) -> None:
@@ -414,9 +485,10 @@ class AgreeMachine(RuleBasedStateMachine):
         replica=st.integers(0, 1),
     )
     def heartbeat(self, node: str, session: str, address: str, stale: float, replica: int) -> None:
-        expected = self.mem.heartbeat(node, session, address, self.now, stale)
-        assert self.reds[replica].heartbeat(node, session, address, self.now, stale) == expected
-        self.sessions[node] = session
+        expected = outcome(self.mem.heartbeat, node, session, address, self.now, stale, max_nodes=3)
+        assert outcome(self.reds[replica].heartbeat, node, session, address, self.now, stale, max_nodes=3) == expected
+        if expected[0] == "ok":
+            self.sessions[node] = session
 
     @rule(
         node=st.sampled_from(NODES),
@@ -432,7 +504,9 @@ class AgreeMachine(RuleBasedStateMachine):
         if withdraw:
             assert self.reds[replica].withdraw(node, session, batch) == self.mem.withdraw(node, session, batch)
         else:
-            assert self.reds[replica].announce(node, session, batch) == self.mem.announce(node, session, batch)
+            caps = {"max_node": 5, "max_total": 9}
+            expected = outcome(self.mem.announce, node, session, batch, **caps)
+            assert outcome(self.reds[replica].announce, node, session, batch, **caps) == expected
 
     @rule(
         node=st.sampled_from(NODES), current=st.booleans(), session=st.sampled_from(SESSIONS), replica=st.integers(0, 1)
@@ -490,14 +564,15 @@ def test_memory_and_redis_agree_seeded_random(redis_url: str) -> None:
             if op < 0.15:
                 stale = rng.choice([0.5, 2.0, 6.0])
                 session = rng.choice(["s0", "s0", "s0", "s1", "s2"])
-                assert r.heartbeat(node, session, f"{node}:{step % 3}", now, stale) == mem.heartbeat(
-                    node, session, f"{node}:{step % 3}", now, stale
-                )
-                sessions[node] = session
+                expected = outcome(mem.heartbeat, node, session, f"{node}:{step % 3}", now, stale)
+                assert outcome(r.heartbeat, node, session, f"{node}:{step % 3}", now, stale) == expected
+                if expected[0] == "ok":
+                    sessions[node] = session
             elif op < 0.55:
                 batch = [(rng.choice(NAMESPACES), h) for h in rng.sample(pool, rng.randint(0, 8))]
                 batch = list(dict.fromkeys(batch))
-                assert r.announce(node, session, batch) == mem.announce(node, session, batch)
+                expected = outcome(mem.announce, node, session, batch, max_node=10, max_total=40)
+                assert outcome(r.announce, node, session, batch, max_node=10, max_total=40) == expected
             elif op < 0.70:
                 batch = list(dict.fromkeys((rng.choice(NAMESPACES), h) for h in rng.sample(pool, rng.randint(0, 4))))
                 assert r.withdraw(node, session, batch) == mem.withdraw(node, session, batch)
@@ -538,9 +613,11 @@ def test_redis_replicas_share_state_and_epoch(open_redis: Callable[[], RedisStor
     assert a.nodes(12.0) == b.nodes(12.0) == [NodeInfo("n1", "s1", "h:1", 16.0, 3)]
     assert a.withdraw("n1", "s1", blocks(0)) == 1
     assert b.query_prefix(NS, H[:3], 12.0) == []
-    assert b.heartbeat("n1", "s2", "h:1", 12.0, 5.0) is True  # restart seen through b: a sees it too
+    with pytest.raises(NodeHeld):
+        a.heartbeat("n1", "s2", "h:1", 12.0, 5.0)  # s1 is live until 16.0, whichever replica is asked
+    assert b.heartbeat("n1", "s2", "h:1", 16.0, 5.0) is True  # restart seen through b: a sees it too
     assert a.announce("n1", "s1", blocks(5)) == -1
-    assert a.nodes(12.0)[0].blocks == 0
+    assert a.nodes(16.0)[0].blocks == 0
     assert b.unregister("n1", "s2") is True
     assert a.unregister("n1", "s2") is False
     assert a.epoch == b.epoch
@@ -601,7 +678,7 @@ def test_redis_key_layout_and_nothing_left_behind(open_redis: Callable[[], Redis
     assert raw.hgetall(p + "node:a:b") == {b"session": b"s1", b"address": b"h:1", b"expires": b"12.5"}
     assert raw.smembers(p + "held:a:b") == {(p + "blk:ns:x:01ab").encode(), (p + "blk:ns:").encode()}
     assert raw.smembers(p + "blk:ns:x:01ab") == {b"a:b", b"n2"}
-    s.heartbeat("a:b", "s2", "h:1", 11.0, 2.5)  # restart
+    s.heartbeat("a:b", "s2", "h:1", 12.5, 2.5)  # restart, once s1 went stale
     s.unregister("n2", "s1")
     assert sorted(k.decode() for k in raw.keys("*")) == [p + "epoch", p + "node:a:b", p + "nodes"]
     s.announce("a:b", "s2", blocks(0))
@@ -652,7 +729,8 @@ def test_redis_interleaved_replicas_never_leave_a_block_with_a_node_that_lost_it
                 batch = [(NS, f"{session}-{j}".encode()) for j in rng.sample(range(30), 10)]
                 op = rng.random()
                 if op < 0.3:
-                    s.heartbeat(node, session, "h:1", 10.0 + i, 3.0)
+                    with contextlib.suppress(NodeHeld):  # another live session holds the node: refused whole
+                        s.heartbeat(node, session, "h:1", 10.0 + i, 3.0)
                 elif op < 0.75:
                     s.announce(node, session, batch)
                 elif op < 0.88:

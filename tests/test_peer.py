@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -384,3 +385,82 @@ def test_both_transports_move_batches_byte_exact_refuse_and_survive_peer_death(
         dying.close()
     finally:
         local.close()
+
+
+def test_a_node_id_is_one_live_engines_and_default_ids_differ_per_engine(
+    meta: Callable[..., Meta],
+    engine_factory: Callable[..., EngineProcess],
+    workers: Callable[..., Worker],
+    tmp_path: Path,
+) -> None:
+    """Two engines with one --node-id: the second is refused at start (after waiting one staleness for the first to
+    go, in case it was its own crashed predecessor), with one line; the first stays listed and fetchable. Engines
+    without --node-id are HOSTNAME:PORT of their --listen. A killed engine's successor takes its id over once the
+    killed one went stale."""
+    m = meta("--stale-after", "1")
+    a = node(engine_factory, m, "shared")
+    hs = hashes(8)
+    on_a = workers(a, "a1")
+    saved = on_a.save(hs)
+    wait_until(lambda: announced(m, on_a.namespace_final, hs) == {"shared": 8}, 20, "A's blocks to be announced")
+
+    second = EngineProcess(tmp_path / "second", ["--metaserver", f"127.0.0.1:{m.port}", "--node-id", "shared"])
+    second.expect_exit = True
+    assert second.proc.wait(timeout=60) == 1
+    last = second.stderr().strip().splitlines()[-1]
+    assert last.startswith("kvseal serve: error: --node-id 'shared' is held by another live engine"), last
+    assert f"at the MetaServer 127.0.0.1:{m.port}" in last and "give each engine its own --node-id" in last
+    assert announced(m, on_a.namespace_final, hs) == {"shared": 8}
+
+    c, d = (engine_factory("--metaserver", f"127.0.0.1:{m.port}", "--peer-timeout", "3") for _ in range(2))
+    host = socket.gethostname()
+    ids = {n["node_id"] for n in c.get_json("/v1/peers")["nodes"]}
+    assert ids == {"shared", f"{host}:{c.target.rsplit(':', 1)[1]}", f"{host}:{d.target.rsplit(':', 1)[1]}"}
+    on_c = workers(c, "c1")
+    r = on_c.query(hs)
+    assert r.hits == 8 and np.array_equal(on_c.load(hs, r.lease_id), saved)
+
+    old_address = next(n["address"] for n in c.get_json("/v1/peers")["nodes"] if n["node_id"] == "shared")
+    a.kill()  # no Unregister: its successor waits for it to go stale, then takes the id over
+    again = node(engine_factory, m, "shared")
+    (me,) = [n for n in again.get_json("/v1/peers")["nodes"] if n["self"]]
+    assert me["node_id"] == "shared" and me["address"] != old_address
+    assert "waiting up to" in again.stderr()
+
+
+def test_a_holder_that_fails_is_skipped_for_the_next_within_the_fetch(
+    meta: Callable[..., Meta], engine_factory: Callable[..., EngineProcess], workers: Callable[..., Worker]
+) -> None:
+    """Two holders sort before the real one (ties go to the lowest node id): one closes every connection at once,
+    at the other's address nothing listens. C's fetch moves on from each to the next and gets every block."""
+    m = meta()
+    b = node(engine_factory, m, "b")
+    hs = hashes(8)
+    on_b = workers(b, "b1")
+    saved = on_b.save(hs)
+    wait_until(lambda: announced(m, on_b.namespace_final, hs) == {"b": 8}, 20, "B's blocks to be announced")
+    closer = socket.create_server(("127.0.0.1", 0))
+
+    def close_every_connection() -> None:
+        while True:
+            try:
+                conn, _ = closer.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=close_every_connection, daemon=True).start()
+    for forged, address in [("a0", f"127.0.0.1:{closer.getsockname()[1]}"), ("a1", f"127.0.0.1:{free_port()}")]:
+        m.heartbeat(forged, session="x", address=address)
+        m.announce(forged, hs, session="x", ns=on_b.namespace_final)
+    assert list(announced(m, on_b.namespace_final, hs)) == ["a0", "a1", "b"]
+    c = node(engine_factory, m, "c")
+    on_c = workers(c, "c1")
+    start = time.monotonic()
+    r = on_c.query(hs)
+    assert r.hits == 8 and time.monotonic() - start < 3  # within --peer-timeout
+    assert np.array_equal(on_c.load(hs, r.lease_id), saved)
+    assert c.metric("kvseal_peer_fetch_failures_total", reason="closed") == 1
+    assert c.metric("kvseal_peer_fetch_failures_total", reason="unreachable") == 1
+    assert b.metric("kvseal_peer_served_blocks_total") == 8
+    closer.close()

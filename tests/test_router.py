@@ -9,6 +9,7 @@ import functools
 import http.client
 import json
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -17,11 +18,12 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from conftest import REPO, Meta, free_port, wait_until
@@ -185,7 +187,16 @@ class Upstreams:
 class RouterProcess:
     """A `kvseal router` on port 0; `url` is where its start line says it serves."""
 
-    def __init__(self, workdir: Path, name: str, prefill: list[str], decode: list[str], *extra: str) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        name: str,
+        prefill: list[str],
+        decode: list[str],
+        *extra: str,
+        open_files: tuple[int, int] | None = None,
+    ) -> None:
+        """`open_files`: (soft, hard) RLIMIT_NOFILE to start with, as `ulimit -n` would set it."""
         self.prefill, self.decode = prefill, decode
         self.out, self.err = workdir / f"{name}.stdout", workdir / f"{name}.stderr"
         argv = [sys.executable, "-m", "kvseal", "router", "--listen", "127.0.0.1:0", *extra]
@@ -193,7 +204,14 @@ class RouterProcess:
             for url in urls:
                 argv += [flag, url]
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
-            self.proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+            self.proc = subprocess.Popen(
+                argv,
+                cwd=REPO,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                preexec_fn=None if open_files is None else _limit_open_files(*open_files),
+            )
         self.url = ""
 
     def wait_ready(self) -> None:
@@ -219,6 +237,10 @@ class RouterProcess:
             return [f"router {self.url} ignored SIGTERM"]
         err = self.err.read_text()
         return [f"router {self.url} exited {rc}:\n{err}"] if rc != 0 or "Traceback" in err else []
+
+
+def _limit_open_files(soft: int, hard: int) -> Callable[[], None]:
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 @dataclass
@@ -577,6 +599,8 @@ def test_bad_command_lines_exit_2_naming_the_flag(capsys: pytest.CaptureFixture[
         (["--decode", "127.0.0.1:3"], "--decode"),
         (["--decode", "http://127.0.0.1:2"], "--decode"),
         (["--timeout", "0"], "--timeout"),
+        (["--max-requests", "-1"], "--max-requests"),
+        (["--max-body-size", "0"], "--max-body-size"),
     ):
         with pytest.raises(SystemExit) as exit_:
             cli.parse_args(base + extra)
@@ -612,3 +636,133 @@ def test_decode_candidates_compatible_first_then_unknown_never_incompatible() ->
         explain_incompatibility(renamed, x)
         == f"namespace_final: prefill {renamed.namespace_final!r}, decode {x.namespace_final!r}"
     )
+
+
+# ---------------------------------------------------------------- limits
+
+STREAMS = 500
+
+
+@pytest.fixture
+def open_files() -> Iterator[int]:
+    """This test process holds both ends' sockets of hundreds of streams: its soft limit goes to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 8 * STREAMS:
+        pytest.fail(f"the hard open-file limit ({hard}) is below {8 * STREAMS}: raise it (ulimit -Hn)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    yield hard
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def concurrent_streams(router: RouterProcess, upstreams: Upstreams, n: int) -> list[tuple[int, bytes]]:
+    """(status, body) of `n` streaming requests sent at once. Every decode stream holds after its first chunk until
+    all `n` have an answer (that first chunk, or an error), so they are all in flight together."""
+    gate = uuid.uuid4().hex
+    heads = 0
+
+    def arrived() -> None:
+        nonlocal heads
+        heads += 1
+        if heads == n:
+            upstreams.open_gate(gate)
+
+    async def one(session: aiohttp.ClientSession) -> tuple[int, bytes]:
+        body = completion(stream=True, fake={"gate": gate})
+        async with session.post(router.url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                answer = await r.read()
+                arrived()
+                return r.status, answer
+            first = await r.content.readline() + await r.content.readline()
+            arrived()
+            return r.status, first + await r.content.read()
+
+    async def run() -> list[tuple[int, bytes]]:
+        timeout = aiohttp.ClientTimeout(total=GATE_TIMEOUT_S + 20)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+            return list(await asyncio.gather(*(one(session) for _ in range(n))))
+
+    return asyncio.run(run())
+
+
+def _whole_stream(body: bytes) -> bool:
+    events = [e.removeprefix(b"data: ") for e in body.split(b"\n\n") if e]
+    return events[-1:] == [b"[DONE]"] and [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == list("abc")
+
+
+def _soft_open_files(pid: int) -> int:
+    line = next(x for x in Path(f"/proc/{pid}/limits").read_text().splitlines() if x.startswith("Max open files"))
+    return int(line.split()[3])
+
+
+def test_500_streams_at_a_1024_soft_limit_all_complete(setup: Setup, open_files: int, tmp_path: Path) -> None:
+    """`ulimit -n 1024` (soft): the router raises its soft limit to the hard one at start, as the engine does."""
+    p, d = (setup.upstreams.start(Fake(f"{role}-fd", role)) for role in ("prefill", "decode"))
+    router = RouterProcess(tmp_path, "fd", [p.url], [d.url], open_files=(1024, open_files))
+    try:
+        router.wait_ready()
+        assert _soft_open_files(router.proc.pid) == open_files
+        answers = concurrent_streams(router, setup.upstreams, STREAMS)
+        assert sorted({status for status, _ in answers}) == [200]
+        assert all(_whole_stream(body) for _, body in answers)
+        assert len(d.received) == STREAMS
+    finally:
+        router.proc.send_signal(signal.SIGTERM)
+        assert router.stop() == []
+
+
+def test_past_max_requests_a_clear_503_and_never_a_502(setup: Setup, open_files: int, tmp_path: Path) -> None:
+    """soft = hard = 1024: the default bound (a quarter of the descriptors, less a reserve) leaves the admitted
+    requests their upstream connections; the others get 503 at once, naming the flag."""
+    p, d = (setup.upstreams.start(Fake(f"{role}-cap", role)) for role in ("prefill", "decode"))
+    router = RouterProcess(tmp_path, "cap", [p.url], [d.url], open_files=(1024, 1024))
+    try:
+        router.wait_ready()
+        bound = (1024 - 64) // 4
+        assert f"serving at most {bound} requests at once (open-file limit 1024)" in router.err.read_text()
+        answers = concurrent_streams(router, setup.upstreams, STREAMS)
+        statuses = [status for status, _ in answers]
+        assert set(statuses) <= {200, 503}, sorted(set(statuses))
+        assert all(_whole_stream(body) for status, body in answers if status == 200)
+        assert statuses.count(200) == bound, statuses.count(200)
+        refused = {json.loads(body)["error"]["message"] for status, body in answers if status == 503}
+        assert refused == {
+            f"the router is serving {bound} requests, its limit (--max-requests): retry later, or raise --max-requests"
+        }
+        # once they are done, the router serves again
+        assert post(router, completion()).status == 200
+    finally:
+        router.proc.send_signal(signal.SIGTERM)
+        assert router.stop() == []
+
+
+def test_an_oversized_body_is_413_and_a_deeply_nested_one_400(setup: Setup) -> None:
+    rr = setup.routers["rr"]
+    cap = 4 << 20
+
+    def send(data: bytes, chunked: bool = False) -> Answer:
+        conn = http.client.HTTPConnection(rr.url.removeprefix("http://"), timeout=20)
+        try:
+            conn.request("POST", "/v1/completions", iter([data]) if chunked else data, encode_chunked=chunked)
+            response = conn.getresponse()
+            return Answer(response.status, dict(response.headers), response.read())
+        finally:
+            conn.close()
+
+    big = json.dumps(completion(prompt="x" * (50 << 20))).encode()
+    a = send(big)
+    assert (a.status, a.json()["error"]["type"]) == (413, "invalid_request_error")
+    message = f"the request body is {len(big)} bytes, more than the router takes: at most {cap} bytes (--max-body-size)"
+    assert a.json()["error"]["message"] == message
+    b = send(json.dumps(completion(prompt="x" * (5 << 20))).encode(), chunked=True)  # no Content-Length
+    assert b.status == 413
+    assert (
+        b.json()["error"]["message"]
+        == f"the request body is more than the router takes: at most {cap} bytes (--max-body-size)"
+    )
+    deep = json.dumps(completion(x="@")).encode().replace(b'"@"', b"[" * 5000 + b"]" * 5000)  # valid JSON
+    for nested in (b"[" * 100_000, b'{"a":' * 100_000, deep):
+        c = send(nested)
+        assert c.status == 400, (c.status, c.body[:200])
+        assert c.json()["error"]["message"].startswith("the request body nests JSON arrays or objects too deeply")
+    assert post(rr, completion()).status == 200  # and the router is fine

@@ -210,13 +210,15 @@ def _recovery_case(plan: Plan, directory: Path, crash: bool) -> float:
     hashes = [i.to_bytes(32, "big") for i in range(n)]
     tier_dir = directory / f"recovery-{crash}"
     capacity = max(n * 256 * 2, 64 << 20)
-    tier = _tier(tier_dir, capacity, 16 << 20)
+    device = FileDevice(tier_dir, capacity, 16 << 20)
+    tier = DiskTier([device])
     tier.open()
     _write_all(tier, layout, arena, hashes, batch=4096)
     if not crash:
         tier.close()
     else:
-        tier.flush()  # written, but the open segment never sealed: as after SIGKILL
+        tier.flush()  # written, but the open segment never sealed: as after SIGKILL,
+        device.close()  # whose descriptors (the directory's lock among them) the kernel closes
     reopened = _tier(tier_dir, capacity, 16 << 20)
     report = reopened.open()
     if report.records != n:
@@ -232,7 +234,9 @@ def main(quick: bool = False, directory: str | None = None) -> int:
     print(f"kvseal SSD benchmark ({plan.name}), directory {base}")
     with tempfile.TemporaryDirectory(prefix="kvseal-bench-ssd-", dir=base) as tmp:
         work = Path(tmp)
-        direct = FileDevice(work / "probe", 1 << 20, 256 << 10).direct
+        probe = FileDevice(work / "probe", 1 << 20, 256 << 10)
+        direct = probe.direct
+        probe.close()
         print(f"  O_DIRECT {'supported' if direct else 'NOT supported: buffered I/O (figures include the page cache)'}")
         try:
             figures: dict[int, dict[str, Any]] = {}

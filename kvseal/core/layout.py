@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvseal.errors import FailedPrecondition, InvalidArgument
+from kvseal.errors import FailedPrecondition, InvalidArgument, quote
 
 DESCRIPTOR_FORMAT = 1
 FINGERPRINT_HEX_CHARS = 8
@@ -138,7 +138,7 @@ def _check_text(field_name: str, value: str, pattern: re.Pattern[str]) -> None:
         raise InvalidArgument(f"{field_name} must not be empty")
     if len(value) > MAX_NAME_CHARS or not pattern.fullmatch(value):
         raise InvalidArgument(
-            f"{field_name} {value[:80]!r} must be at most {MAX_NAME_CHARS} characters matching {pattern.pattern}"
+            f"{field_name} {quote(value)} must be at most {MAX_NAME_CHARS} characters matching {pattern.pattern}"
         )
 
 

@@ -60,7 +60,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvseal.core.layout import Layout
-from kvseal.errors import NotFound
+from kvseal.errors import NotFound, quote
 
 FREE, INFLIGHT, SEALED, SENTINEL = 0, 1, 2, 3
 PAGE_ALIGN = 64
@@ -493,7 +493,7 @@ class BlockStore:
     def release(self, lease_id: int, owner: str) -> None:
         lease = self._leases.get(lease_id)
         if lease is None or lease.owner != owner:
-            raise NotFound(f"lease_id {lease_id} is not an open lease of instance {owner!r} (released or expired)")
+            raise NotFound(f"lease_id {lease_id} is not an open lease of instance {quote(owner)} (released or expired)")
         self._end_lease(lease)
 
     def release_owner(self, owner: str) -> int:

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from kvseal.core.layout import (
     InstanceRegistry,
+    LayerRegistration,
     Layout,
     LayoutDifference,
     SealedInstance,
@@ -41,8 +42,18 @@ from kvseal.core.store import BlockStore, SavePlan, StoreStatistics, page_stride
 from kvseal.engine.copy import SlotSource, WorkerCopier
 from kvseal.engine.cuda import cuda_runtime
 from kvseal.engine.lock import LockStatistics, TimedLock
-from kvseal.engine.memory import Arena, CudaSpec, MappedFile, layer_extent, map_cuda_storage, map_layer_memory
-from kvseal.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from kvseal.engine.memory import (
+    Arena,
+    CudaSpec,
+    ShmLayer,
+    ShmPlan,
+    ShmSpec,
+    layer_extent,
+    map_cuda_storage,
+    map_shm,
+    plan_shm,
+)
+from kvseal.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, quote
 from kvseal.limits import MAX_BLOCKS_PER_REQUEST, MAX_HASH_BYTES, MAX_REQUEST_ID_CHARS
 from kvseal.ssd.tier import DiskTier, NamespaceKey, TierStatistics, WriteItem
 
@@ -175,10 +186,14 @@ class EngineStatistics:
 
 
 class _Worker:
-    def __init__(self, reg: WorkerRegistration, memories: list[Any], session: Session) -> None:
+    def __init__(
+        self, reg: WorkerRegistration, memories: list[Any], offsets: list[int], mapped_bytes: int, session: Session
+    ) -> None:
         self.registration = reg
         self.session = session
         self.memories = memories  # per layer, in registration order
+        self.offsets = offsets  # per layer: where its block 0 starts in its memory
+        self.mapped_bytes = mapped_bytes  # of the worker's memfds, counted against its uid's cap
         self.num_blocks = min(layer.num_blocks for layer in reg.layers)
         self.copier: WorkerCopier | None = None
         self.cell_mask = 0
@@ -214,8 +229,11 @@ class Engine:
         inflight_timeout_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         ssd: DiskTier | None = None,
+        max_mapped_per_uid: int = 0,
     ) -> None:
-        """`ssd`: an opened SSD tier; sealed blocks are written through to it and queries continue from it."""
+        """`ssd`: an opened SSD tier; sealed blocks are written through to it and queries continue from it.
+        `max_mapped_per_uid`: bytes of their memfds that the workers of one uid may have the engine map and fault in
+        at once (0: no cap); the engine's own user and root are not capped."""
         self.store = BlockStore(
             pool_bytes,
             slab_bytes=slab_bytes,
@@ -227,6 +245,8 @@ class Engine:
         self.counters = EngineCounters()
         self._lock = TimedLock()  # every hold is timed: lock_statistics(), /metrics
         self._instances: dict[str, _Instance] = {}
+        self.max_mapped_per_uid = max_mapped_per_uid
+        self._mapped: dict[int | None, int] = {}  # uid -> bytes its workers have mapped (or are mapping)
         self.ssd = ssd
         self._refilling: set[int] = set()  # pages being read from SSD
         self._refills = ThreadPoolExecutor(2, thread_name_prefix="kvseal-refill") if ssd is not None else None
@@ -256,21 +276,45 @@ class Engine:
                 "CUDA IPC handles are accepted only from the engine's own user or root (the driver does not tie a "
                 "handle to the process that exported it): run the engine as the inference server's user"
             )
+        for i, layer in enumerate(reg.layers):
+            if not isinstance(layer.memory, ShmSpec | CudaSpec):
+                raise InvalidArgument(f"layers[{i}].memory must be set (shm or cuda)")
         with self._lock:
             self._check_may_register(reg, session)
-        memories = self._map_memory(reg, fds)
+        shm = [
+            ShmLayer(f"layers[{i}].memory", layer.memory, _extent(layer))
+            for i, layer in enumerate(reg.layers)
+            if isinstance(layer.memory, ShmSpec)
+        ]
+        plan = plan_shm(shm, fds)  # checks every descriptor and bound; maps nothing yet
+        uid = session.peer.uid
         with self._lock:
-            self._check_may_register(reg, session)  # again: another session may have come in while we mapped
-            inst = self._instances.get(reg.instance_id) or _Instance(reg.instance_id, session.peer.uid)
-            before = (dict(inst.registry.workers), inst.registry.sealed)
-            workers = {**inst.workers, reg.key: _Worker(reg, memories, session)}
+            self._reserve_mapping(reg, session, plan.bytes)
+        try:
+            memories, offsets = self._map_memory(reg, plan)
+        except BaseException:
+            with self._lock:
+                self._unreserve(uid, plan.bytes)
+            raise
+        with self._lock:
             try:
-                sealed = inst.registry.add(reg)
-                copiers = self._plan_copies(workers, sealed) if sealed is not None else {}
-            except Exception:
-                inst.registry.workers, inst.registry.sealed = before
+                self._check_may_register(reg, session)  # again: another session may have come in while we mapped
+                inst = self._instances.get(reg.instance_id) or _Instance(reg.instance_id, uid)
+                before = (dict(inst.registry.workers), inst.registry.sealed)
+                workers = {**inst.workers, reg.key: _Worker(reg, memories, offsets, plan.bytes, session)}
+                try:
+                    sealed = inst.registry.add(reg)
+                    copiers = self._plan_copies(workers, sealed) if sealed is not None else {}
+                except Exception:
+                    inst.registry.workers, inst.registry.sealed = before
+                    raise
+            except BaseException:
+                self._unreserve(uid, plan.bytes)
                 raise
             # nothing below can fail: commit
+            replaced = inst.workers.get(reg.key)
+            if replaced is not None:  # this session registers the worker again: its old mappings go
+                self._unreserve(uid, replaced.mapped_bytes)
             self._instances[reg.instance_id] = inst
             inst.workers = workers
             session.workers.add((reg.instance_id, *reg.key))
@@ -287,29 +331,49 @@ class Engine:
             return
         if inst.uid != session.peer.uid:
             raise PermissionDenied(
-                f"instance_id {reg.instance_id!r} belongs to another user (uid {inst.uid}): pick another instance_id"
+                f"instance_id {quote(reg.instance_id)} belongs to another user (uid {inst.uid}): pick another "
+                "instance_id"
             )
         w = inst.workers.get(reg.key)
         if w is not None and w.session is not session:
             raise PermissionDenied(
-                f"worker tp_rank {reg.tp_rank} pp_rank {reg.pp_rank} of instance {reg.instance_id!r} is held by "
+                f"worker tp_rank {reg.tp_rank} pp_rank {reg.pp_rank} of instance {quote(reg.instance_id)} is held by "
                 f"another session (pid {w.session.peer.pid}); it is released when that session ends"
             )
 
-    def _map_memory(self, reg: WorkerRegistration, fds: Sequence[int]) -> list[Any]:
-        files: dict[tuple[int, int], MappedFile] = {}
-        memories = []
+    def _reserve_mapping(self, reg: WorkerRegistration, session: Session, size: int) -> None:
+        """Counts `size` bytes of mappings against the session's uid, or refuses them past --max-mapped-per-uid.
+        A worker registered again by its session will drop its old mappings: they do not count. Under the lock."""
+        uid = session.peer.uid
+        used = self._mapped.get(uid, 0)
+        inst = self._instances.get(reg.instance_id)
+        old = inst.workers.get(reg.key) if inst is not None else None
+        replaced = old.mapped_bytes if old is not None and old.session is session else 0
+        cap = self.max_mapped_per_uid
+        if cap and not _same_user(session.peer) and used - replaced + size > cap:
+            raise ResourceExhausted(
+                f"uid {uid}: this registration maps {_mib(size)} of shared memory and uid {uid}'s workers already "
+                f"have {_mib(used - replaced)} mapped, over the engine's cap of {_mib(cap)} per uid "
+                "(kvseal serve --max-mapped-per-uid): register fewer or smaller layers, or end other workers"
+            )
+        self._mapped[uid] = used + size
+
+    def _map_memory(self, reg: WorkerRegistration, plan: ShmPlan) -> tuple[list[Any], list[int]]:
+        """Per layer, in registration order: the memory its blocks are in and the offset of block 0 there."""
+        shm = iter(map_shm(plan))
+        memories: list[Any] = []
+        offsets: list[int] = []
         for i, layer in enumerate(reg.layers):
-            g = layer.geometry
-            extent = layer_extent(layer.num_blocks, g.segments, g.segment_bytes, layer.strides)
-            where = f"layers[{i}].memory"
             if isinstance(layer.memory, CudaSpec):
-                memories.append(map_cuda_storage(where, layer.memory, extent))
+                memories.append(map_cuda_storage(f"layers[{i}].memory", layer.memory, _extent(layer)))
+                offsets.append(layer.memory.offset)
                 # page-locked once, here and not under the engine's lock (a large pool takes a second or more)
                 cuda_runtime().pin(self.arena.bytes.ctypes.data, self.arena.size)
             else:
-                memories.append(map_layer_memory(where, layer.memory, extent, fds, files).bytes)
-        return memories
+                memory, offset = next(shm)
+                memories.append(memory)
+                offsets.append(offset)
+        return memories, offsets
 
     def _plan_copies(
         self, workers: dict[tuple[int, int], _Worker], sealed: SealedInstance
@@ -324,13 +388,13 @@ class Engine:
         copiers = {}
         for key, worker in workers.items():
             sources = []
-            for layer, memory in zip(worker.registration.layers, worker.memories, strict=True):
+            for layer, memory, offset in zip(worker.registration.layers, worker.memories, worker.offsets, strict=True):
                 g = layer.geometry
                 slot = layout.slot(sealed.layer_ids[g.name], key[0])
                 sources.append(
                     SlotSource(
                         memory=memory,
-                        src_offset=layer.memory.offset if layer.memory is not None else 0,
+                        src_offset=offset,
                         block_stride=layer.strides[0],
                         segment_stride=layer.strides[1] if g.segments == 2 else 0,
                         num_blocks=layer.num_blocks,
@@ -351,11 +415,26 @@ class Engine:
     def _drop(self, inst: _Instance, key: tuple[int, int]) -> int:
         w = inst.workers.pop(key)
         w.session.workers.discard((inst.registry.instance_id, *key))
+        self._unreserve(w.session.peer.uid, w.mapped_bytes)
         inst.registry.remove(key)
         self.store.release_owner(inst.registry.instance_id)
         if not inst.workers:
             del self._instances[inst.registry.instance_id]
         return len(inst.workers)
+
+    def _unreserve(self, uid: int | None, size: int) -> None:
+        """`size` bytes of mappings no longer count against `uid` (they go with the last view of them). Under the
+        lock."""
+        left = self._mapped.get(uid, 0) - size
+        if left > 0:
+            self._mapped[uid] = left
+        else:
+            self._mapped.pop(uid, None)
+
+    def mapped_bytes(self, uid: int) -> int:
+        """Bytes of shared memory the workers of `uid` have the engine map."""
+        with self._lock:
+            return self._mapped.get(uid, 0)
 
     def close_session(self, session: Session) -> None:
         """The session ended (its connection closed): every worker it registered goes, with its instance's leases."""
@@ -715,13 +794,13 @@ class Engine:
             raise InvalidArgument("instance_id must not be empty")
         inst = self._instances.get(instance_id)
         if inst is None:
-            raise NotFound(f"instance_id {instance_id!r} is not registered (register its workers first)")
+            raise NotFound(f"instance_id {quote(instance_id)} is not registered (register its workers first)")
         return inst
 
     def _find_sealed(self, instance_id: str) -> _Instance:
         inst = self._find_instance(instance_id)
         if inst.sealed is None:
-            raise FailedPrecondition(f"registration incomplete: {inst.registry.progress()} for {instance_id!r}")
+            raise FailedPrecondition(f"registration incomplete: {inst.registry.progress()} for {quote(instance_id)}")
         return inst
 
     def _find_worker(self, worker: WorkerKey) -> tuple[_Instance, _Worker]:
@@ -729,7 +808,7 @@ class Engine:
         w = inst.workers.get((worker[1], worker[2]))
         if w is None:
             raise NotFound(
-                f"worker tp_rank {worker[1]} pp_rank {worker[2]} of instance {worker[0]!r} is not registered"
+                f"worker tp_rank {worker[1]} pp_rank {worker[2]} of instance {quote(worker[0])} is not registered"
             )
         return inst, w
 
@@ -737,7 +816,7 @@ class Engine:
         inst, w = self._find_worker(worker)
         if w.session is not session:
             raise PermissionDenied(
-                f"worker tp_rank {worker[1]} pp_rank {worker[2]} of instance {worker[0]!r} belongs to another "
+                f"worker tp_rank {worker[1]} pp_rank {worker[2]} of instance {quote(worker[0])} belongs to another "
                 f"session (pid {w.session.peer.pid}): only the connection that registered it may use it"
             )
         return inst, w
@@ -847,7 +926,7 @@ class Engine:
                 for (_, name), (_, _, descriptor) in self.ssd.namespaces().items():
                     if name == namespace_final and (layout := layout_from_descriptor(descriptor)) is not None:
                         return layout
-        raise NotFound(f"{field} {namespace_final!r} is not held by this engine (see /v1/namespaces)")
+        raise NotFound(f"{field} {quote(namespace_final)} is not held by this engine (see /v1/namespaces)")
 
     def purge(self, namespace_final: str, uid: int | None = None) -> list[dict[str, Any]]:
         """Drops a final namespace (every user's, or the one of `uid`) from memory and SSD. Pages a lease or a copy
@@ -936,6 +1015,15 @@ def _namespace_view(key: NamespaceKey, layout: Layout) -> dict[str, Any]:
     }
 
 
+def _extent(layer: LayerRegistration) -> int:
+    g = layer.geometry
+    return layer_extent(layer.num_blocks, g.segments, g.segment_bytes, layer.strides)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
 def _same_user(peer: Peer) -> bool:
     return peer.uid in (os.getuid(), 0)
 
@@ -948,7 +1036,7 @@ def _tenant(uid: int | None) -> int:
 
 def _check_access(inst: _Instance, peer: Peer) -> None:
     if not peer.privileged and peer.uid != inst.uid:
-        raise PermissionDenied(f"instance_id {inst.registry.instance_id!r} belongs to another user")
+        raise PermissionDenied(f"instance_id {quote(inst.registry.instance_id)} belongs to another user")
 
 
 def _check_hashes(hashes: Sequence[bytes]) -> list[bytes]:

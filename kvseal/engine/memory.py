@@ -95,16 +95,17 @@ def check_memfd(where: str, fd: int, size: int) -> None:
 
 
 class MappedFile:
-    """A worker's memfd, mapped read-write. Unmapped when the last view of it is gone."""
+    """A window of a worker's memfd, bytes [start, start + size) of the file (page-aligned), mapped read-write and
+    faulted in. Unmapped when the last view of it is gone."""
 
-    def __init__(self, where: str, fd: int, size: int) -> None:
-        check_memfd(where, fd, size)
+    def __init__(self, where: str, fd: int, start: int, size: int) -> None:
         try:
-            self._map = mmap.mmap(fd, size)
+            self._map = mmap.mmap(fd, size, offset=start)
         except OSError as e:
             raise InvalidArgument(f"{where}: the memfd cannot be mapped read-write: {e.strerror}") from None
         _populate(self._map)
         self.bytes = np.frombuffer(self._map, dtype=np.uint8)
+        self.start = start
         self.size = size
 
 
@@ -129,28 +130,86 @@ def layer_extent(num_blocks: int, segments: int, segment_bytes: int, strides: tu
     return extent
 
 
-def map_layer_memory(
-    where: str, memory: Any, extent: int, fds: Sequence[int], cache: dict[tuple[int, int], MappedFile]
-) -> MappedFile:
-    """Maps (or reuses, for layers that share one allocation) the memfd behind a layer and checks its bounds."""
-    if isinstance(memory, CudaSpec):
-        raise FailedPrecondition(f"{where}: CUDA memory must be mapped with map_cuda_storage")
-    if not isinstance(memory, ShmSpec):
-        raise InvalidArgument(f"{where} must be set (shm or cuda)")
-    if memory.fd >= len(fds):
-        raise InvalidArgument(
-            f"{where}.shm.fd {memory.fd}: the registration carried {len(fds)} file descriptor(s) (SCM_RIGHTS)"
-        )
-    key = (memory.fd, memory.size)
-    mapped = cache.get(key)
-    if mapped is None:
-        mapped = cache[key] = MappedFile(f"{where}.shm", fds[memory.fd], memory.size)
-    if memory.offset + extent > memory.size:
-        raise InvalidArgument(
-            f"{where}.shm.offset {memory.offset} + layer extent {extent} exceeds size {memory.size}: "
-            "strides, num_blocks or segment_bytes do not fit the shared memory"
-        )
-    return mapped
+@dataclass(frozen=True, slots=True)
+class ShmLayer:
+    """One layer's shared memory, as register asks for it: `extent` bytes from `memory.offset`."""
+
+    where: str  # e.g. layers[3].memory
+    memory: ShmSpec
+    extent: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShmWindow:
+    """Bytes [start, start + size) of one memfd (page-aligned), covering the extents of one or more layers."""
+
+    where: str  # the first layer it covers
+    fd: int  # the descriptor to map it from
+    start: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShmPlan:
+    """What a registration maps: the windows, and for each layer (in the order given) its window's index and the
+    offset of its first byte in that window. `bytes` is what mapping it costs (the windows' total)."""
+
+    windows: list[ShmWindow]
+    layers: list[tuple[int, int]]
+    bytes: int
+
+
+def plan_shm(layers: Sequence[ShmLayer], fds: Sequence[int]) -> ShmPlan:
+    """Checks every layer's descriptor and bounds, and plans to map only what the layers cover: each layer's extent
+    rounded out to pages, the extents within one memfd that overlap or touch merged into one window (vLLM's layers
+    are views of one allocation: one window, so the copier sees one array). A 16 KiB layer at the start of a sparse
+    1 GiB memfd costs the engine 16 KiB, not 1 GiB."""
+    extents: dict[tuple[int, int], list[tuple[int, int, int]]] = {}  # memfd (dev, inode) -> (lo, hi, layer)
+    first_fd: dict[tuple[int, int], tuple[int, str]] = {}
+    for i, layer in enumerate(layers):
+        where, memory = layer.where, layer.memory
+        if memory.fd >= len(fds):
+            raise InvalidArgument(
+                f"{where}.shm.fd {memory.fd}: the registration carried {len(fds)} file descriptor(s) (SCM_RIGHTS)"
+            )
+        fd = fds[memory.fd]
+        check_memfd(f"{where}.shm", fd, memory.size)
+        if memory.offset + layer.extent > memory.size:
+            raise InvalidArgument(
+                f"{where}.shm.offset {memory.offset} + layer extent {layer.extent} exceeds size {memory.size}: "
+                "strides, num_blocks or segment_bytes do not fit the shared memory"
+            )
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)  # one memfd handed over twice (or dup'd) is mapped once
+        first_fd.setdefault(key, (fd, where))
+        lo = memory.offset - memory.offset % mmap.ALLOCATIONGRANULARITY
+        hi = -(-(memory.offset + layer.extent) // mmap.PAGESIZE) * mmap.PAGESIZE
+        extents.setdefault(key, []).append((lo, hi, i))
+    windows: list[ShmWindow] = []
+    placed: list[tuple[int, int]] = [(0, 0)] * len(layers)
+    for key, spans in extents.items():
+        fd, where = first_fd[key]
+        spans.sort()
+        groups: list[list[tuple[int, int, int]]] = []
+        end = -1
+        for span in spans:
+            if groups and span[0] <= end:
+                groups[-1].append(span)
+            else:
+                groups.append([span])
+            end = max(end, span[1]) if len(groups[-1]) > 1 else span[1]
+        for group in groups:
+            start, stop = group[0][0], max(hi for _, hi, _ in group)
+            for _, _, m in group:
+                placed[m] = (len(windows), layers[m].memory.offset - start)
+            windows.append(ShmWindow(where, fd, start, stop - start))
+    return ShmPlan(windows, placed, sum(w.size for w in windows))
+
+
+def map_shm(plan: ShmPlan) -> list[tuple[np.ndarray, int]]:
+    """Maps and faults in a plan's windows: per layer, the array of its window and its offset in it."""
+    mapped = [MappedFile(w.where + ".shm", w.fd, w.start, w.size) for w in plan.windows]
+    return [(mapped[w].bytes, offset) for w, offset in plan.layers]
 
 
 def map_cuda_storage(where: str, spec: CudaSpec, extent: int) -> Any:

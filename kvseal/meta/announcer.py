@@ -5,6 +5,12 @@ When a heartbeat's answer starts a new session or carries a new epoch (the MetaS
 node), or an announce is refused for an unknown session, the node announces every resident block again (backfill),
 so discovery recovers without restarting engines. A MetaServer that does not answer costs a logged warning and a
 retry with backoff; changes pile up meanwhile (up to MAX_PENDING, past which the next contact backfills instead).
+
+A node id belongs to one live session at the MetaServer. `claim()`, before the engine serves, makes the first
+heartbeat: when another session holds the id, it waits until that session would go stale (the predecessor of a
+restarted engine that could not unregister), and refuses (ClaimRefused) when it is still held then (another engine
+heartbeats with this id). A MetaServer at its block cap (RESOURCE_EXHAUSTED) costs one warning: the blocks it refused
+are not offered to other nodes, and are not sent again until the next backfill.
 """
 
 from __future__ import annotations
@@ -26,6 +32,13 @@ log = logging.getLogger("kvseal.meta")
 BATCH = 8192  # blocks per Announce / Withdraw
 MAX_PENDING = 1 << 20
 TICK_S = 0.05
+CLAIM_WAIT_S = 30.0  # at most, for a node id's previous session to go stale at start
+CLAIM_POLL_S = 0.25
+
+
+class ClaimRefused(Exception):
+    """The MetaServer will not take this node at start: its node id is held live by another session, or the
+    MetaServer refuses this engine (its user, its token). The message is one line saying what to do."""
 
 
 class Announcer:
@@ -58,12 +71,61 @@ class Announcer:
         self._retry_at = 0.0
         self._backoff = 0.5
         self._down = False
+        self._calling = ""
+        self._full = False  # the MetaServer refused blocks at its cap (warned once)
         self.announced = 0  # blocks announced since start (for tests and /metrics)
         self.withdrawn = 0
+
+    def claim(self, wait_s: float = CLAIM_WAIT_S) -> None:
+        """The first heartbeat, before the engine serves (see the module's docstring). A MetaServer that does not
+        answer is left to the thread, which retries; one that refuses this node raises ClaimRefused."""
+        deadline = None
+        while True:
+            try:
+                self._heartbeat(time.monotonic())
+                return
+            except grpc.RpcError as e:
+                code = e.code()
+                if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                    raise ClaimRefused(f"the MetaServer {self._target} refuses this engine: {e.details()}") from None
+                if code != grpc.StatusCode.ALREADY_EXISTS:
+                    return
+            now = time.monotonic()
+            holder = self._holder()
+            if deadline is None:
+                deadline = now + min(wait_s, (holder[1] if holder else 0.0) + 2 * CLAIM_POLL_S)
+                log.warning(
+                    "node id %r is held at the MetaServer %s by another session (at %s): waiting up to %.1f s for it "
+                    "to go stale",
+                    self.node_id,
+                    self._target,
+                    holder[0] if holder else "?",
+                    deadline - now,
+                )
+            elif now >= deadline:
+                raise ClaimRefused(
+                    f"--node-id {self.node_id!r} is held by another live engine at the MetaServer {self._target} (it "
+                    f"serves at {holder[0] if holder else '?'} and heartbeats): give each engine its own --node-id, "
+                    "or stop the other engine"
+                )
+            time.sleep(CLAIM_POLL_S)
+
+    def _holder(self) -> tuple[str, float] | None:
+        """(address, seconds until stale) of the session holding this node id, as ListNodes says (None: not listed,
+        or no answer)."""
+        try:
+            nodes = self._call("ListNodes", pb.ListNodesRequest()).nodes
+        except grpc.RpcError:
+            return None
+        return next(((n.address, n.expires_in_ms / 1000) for n in nodes if n.node_id == self.node_id), None)
 
     def start(self) -> None:
         self.engine.track_blocks()
         self._thread.start()
+
+    def close(self) -> None:
+        """Closes the channel of an announcer that was never started."""
+        self._channel.close()
 
     def stop(self) -> None:
         """Stops, and tells the MetaServer this node is gone (its blocks are not offered to anyone any more)."""
@@ -80,6 +142,7 @@ class Announcer:
         return len(self._pending)
 
     def _call(self, method: str, request: object) -> Any:
+        self._calling = method
         return getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
 
     def _run(self) -> None:
@@ -110,8 +173,23 @@ class Announcer:
                     self._next_beat = 0.0
                     self._backfill = True
                     continue
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and self._calling == "Announce":
+                    if not self._full:
+                        log.warning(
+                            "MetaServer %s takes no more of this node's blocks (%s): those are not offered to other "
+                            "nodes",
+                            self._target,
+                            e.details(),
+                        )
+                        self._full = True
+                    self._pending = {b: resident for b, resident in self._pending.items() if not resident}
+                    self._backfill = False
+                    continue
                 if not self._down:
-                    log.warning("MetaServer %s unavailable (%s): retrying", self._target, e.code().name)
+                    if e.code() in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.PERMISSION_DENIED):
+                        log.error("MetaServer %s refuses this node: %s: retrying", self._target, e.details())
+                    else:
+                        log.warning("MetaServer %s unavailable (%s): retrying", self._target, e.code().name)
                     self._down = True
                 self._retry_at = now + self._backoff
                 self._backoff = min(self._backoff * 2, 10.0)
@@ -153,6 +231,9 @@ class Announcer:
         self._call(method, request)
         if method == "Announce":
             self.announced += len(blocks)
+            if self._full:
+                log.warning("MetaServer %s takes this node's blocks again", self._target)
+                self._full = False
         else:
             self.withdrawn += len(blocks)
 

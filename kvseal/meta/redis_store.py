@@ -16,8 +16,9 @@ key, so dropping a node needs no parsing: SREM node_id from each key it names.
 
 What is atomic: every operation is one Lua script (one round trip, EVALSHA via register_script), and Redis runs a
 script with nothing interleaved. So the invariant "node n is in blk:b exactly when b is in held:n and node:n
-exists" holds between any two operations of any replicas: heartbeat (set NX the epoch, check the session, drop
-the old session's blocks, write the node), announce / withdraw of a whole batch (check the session, then both
+exists" holds between any two operations of any replicas: heartbeat (set NX the epoch, check the session, refuse
+another session while the current one is live, or a new node past the node cap, drop the old session's blocks,
+write the node), announce / withdraw of a whole batch (check the session and, for announce, the caps, then both
 sides of every block), unregister, purge (find the forgotten nodes and drop them) and the readers query_prefix
 (up to any number of hashes, with the staleness of every holder) and nodes, which see one snapshot.
 
@@ -46,7 +47,7 @@ from typing import Any, TypeVar
 
 import redis
 
-from kvseal.meta.store import Block, NodeHit, NodeInfo
+from kvseal.meta.store import Block, NodeHeld, NodeHit, NodeInfo, StoreFull
 
 PREFIX = "kvseal:meta:"
 F = TypeVar("F", bound=Callable[..., Any])
@@ -86,7 +87,8 @@ local function drop(id)
 end
 """
 
-# ARGV: prefix, new epoch, node_id, session, address, expires -> {fresh, epoch}
+# ARGV: prefix, new epoch, node_id, session, address, expires, now, max_nodes -> {fresh, epoch}, or {-1, epoch,
+# address, expires} when another session holds the node live, or {-2, epoch} when max_nodes are known already
 _HEARTBEAT = (
     _DROP
     + """
@@ -94,8 +96,19 @@ redis.call('SET', P .. 'epoch', ARGV[2], 'NX')
 local epoch = redis.call('GET', P .. 'epoch')
 local id, session = ARGV[3], ARGV[4]
 local node = P .. 'node:' .. id
+local current = redis.call('HMGET', node, 'session', 'address', 'expires')
 local fresh = 0
-if redis.call('HGET', node, 'session') ~= session then
+if current[1] ~= session then
+  if current[1] then
+    if tonumber(current[3]) > tonumber(ARGV[7]) then
+      return {-1, epoch, current[2], current[3]}
+    end
+  else
+    local max = tonumber(ARGV[8])
+    if max > 0 and redis.call('ZCARD', P .. 'nodes') >= max then
+      return {-2, epoch}
+    end
+  end
   fresh = 1
   drop_blocks(id)
 end
@@ -106,7 +119,7 @@ return {fresh, epoch}
 )
 
 # ARGV: prefix, node_id, session, block keys... -> how many changed, -1 for another session
-_CHANGE = """
+_WITHDRAW = """
 local P, id = ARGV[1], ARGV[2]
 if redis.call('HGET', P .. 'node:' .. id, 'session') ~= ARGV[3] then
   return -1
@@ -114,15 +127,53 @@ end
 local held = P .. 'held:' .. id
 local n = 0
 for i = 4, #ARGV do
-  if redis.call({op}, held, ARGV[i]) == 1 then
-    redis.call({op}, ARGV[i], id)
+  if redis.call('SREM', held, ARGV[i]) == 1 then
+    redis.call('SREM', ARGV[i], id)
     n = n + 1
   end
 end
 return n
 """
-_ANNOUNCE = _CHANGE.replace("{op}", "'SADD'")
-_WITHDRAW = _CHANGE.replace("{op}", "'SREM'")
+
+# ARGV: prefix, node_id, session, max_node, max_total, block keys... -> how many newly held, -1 for another session,
+# -2 past max_node, -3 past max_total (0: no cap; the total is every known node's blocks)
+_ANNOUNCE = """
+local P, id = ARGV[1], ARGV[2]
+if redis.call('HGET', P .. 'node:' .. id, 'session') ~= ARGV[3] then
+  return -1
+end
+local held = P .. 'held:' .. id
+local max_node, max_total = tonumber(ARGV[4]), tonumber(ARGV[5])
+if max_node > 0 or max_total > 0 then
+  local new, seen = 0, {}
+  for i = 6, #ARGV do
+    if not seen[ARGV[i]] and redis.call('SISMEMBER', held, ARGV[i]) == 0 then
+      new = new + 1
+    end
+    seen[ARGV[i]] = true
+  end
+  if new > 0 and max_node > 0 and redis.call('SCARD', held) + new > max_node then
+    return -2
+  end
+  if new > 0 and max_total > 0 then
+    local total = new
+    for _, other in ipairs(redis.call('ZRANGE', P .. 'nodes', 0, -1)) do
+      total = total + redis.call('SCARD', P .. 'held:' .. other)
+    end
+    if total > max_total then
+      return -3
+    end
+  end
+end
+local n = 0
+for i = 6, #ARGV do
+  if redis.call('SADD', held, ARGV[i]) == 1 then
+    redis.call('SADD', ARGV[i], id)
+    n = n + 1
+  end
+end
+return n
+"""
 
 # KEYS: block keys in query order; ARGV: prefix, now -> {node_id, prefix, address, ...}
 _QUERY = """
@@ -214,10 +265,13 @@ class RedisStore:
     """The MetaStore contract on redis-server: every replica on the database sees the same nodes, blocks and
     epoch; nothing is kept in this object but the connection pool and the last epoch seen."""
 
+    threadsafe = True  # every call is one script, which Redis runs with nothing interleaved
+
     @_unavailable
-    def __init__(self, url: str, *, prefix: str = PREFIX) -> None:
+    def __init__(self, url: str, *, prefix: str = PREFIX, timeout_s: float = 5.0) -> None:
         self._prefix = prefix
-        self._r = redis.Redis.from_url(url)
+        # a Redis that stops answering (not only one that refuses) must fail calls, never hang them
+        self._r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._heartbeat = self._r.register_script(_HEARTBEAT)
         self._announce = self._r.register_script(_ANNOUNCE)
         self._withdraw = self._r.register_script(_WITHDRAW)
@@ -237,16 +291,31 @@ class RedisStore:
         return f"{self._prefix}blk:{namespace_final}:{h.hex()}"
 
     @_unavailable
-    def heartbeat(self, node_id: str, session: str, address: str, now: float, stale_after_s: float) -> bool:
-        fresh, epoch = self._heartbeat(
-            args=[self._prefix, os.urandom(8).hex(), node_id, session, address, _num(now + stale_after_s)]
+    def heartbeat(
+        self, node_id: str, session: str, address: str, now: float, stale_after_s: float, *, max_nodes: int = 0
+    ) -> bool:
+        reply = self._heartbeat(
+            args=[self._prefix, os.urandom(8).hex(), node_id, session, address, _num(now + stale_after_s), _num(now)]
+            + [max_nodes]
         )
-        self.epoch = epoch.decode()
-        return bool(fresh)
+        self.epoch = reply[1].decode()
+        if reply[0] == -1:
+            raise NodeHeld(node_id, reply[2].decode(), float(reply[3]))
+        if reply[0] == -2:
+            raise StoreFull("nodes", max_nodes)
+        return bool(reply[0])
 
     @_unavailable
-    def announce(self, node_id: str, session: str, blocks: Sequence[Block]) -> int:
-        return int(self._announce(args=[self._prefix, node_id, session, *map(self._block_key, blocks)]))
+    def announce(
+        self, node_id: str, session: str, blocks: Sequence[Block], *, max_node: int = 0, max_total: int = 0
+    ) -> int:
+        args = [self._prefix, node_id, session, max_node, max_total, *map(self._block_key, blocks)]
+        n = int(self._announce(args=args))
+        if n == -2:
+            raise StoreFull("blocks_per_node", max_node)
+        if n == -3:
+            raise StoreFull("blocks", max_total)
+        return n
 
     @_unavailable
     def withdraw(self, node_id: str, session: str, blocks: Sequence[Block]) -> int:
@@ -282,6 +351,13 @@ class RedisStore:
         # widened by a few ulps: the script decides with MemoryStore's exact test, this only narrows the scan
         bound += 4 * math.ulp(max(abs(now), abs(forget_after_s), abs(bound)))
         return int(self._purge(args=[self._prefix, _num(bound), _num(now), _num(forget_after_s)]))
+
+    def collect(self, budget: int) -> bool:
+        return False  # a dropped node's blocks go in the script that drops it
+
+    @_unavailable
+    def ping(self) -> None:
+        self._r.ping()
 
     def close(self) -> None:
         self._r.close()

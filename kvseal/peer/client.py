@@ -6,6 +6,11 @@ without one, the server's socket must belong to this engine's user or root (so a
 address to a tokenless MetaServer cannot plant blocks), and only loopback peers are tried. Every page must arrive
 whole and match the XXH3-64 the server computed while it was pinned; the leading pages that do are sealed, the rest
 are a miss. A peer that refuses, stalls past the timeout or dies costs the fetch, never a partial page.
+
+A lookup remembers every holder the MetaServer named, longest prefix first (holders that failed a fetch lately
+last): when the chosen one refuses or fails before giving a page, the fetch moves on to the next, within the one
+--peer-timeout the fetch has (a connection and its handshake may take a quarter of it at most), so a forged or
+dead holder costs a moment, not the blocks.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import os
 import socket
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,6 +42,8 @@ CHUNK_BYTES = 64 << 20  # pages pinned on the serving node per fetch frame
 HASH_GROUP_BYTES = 8 << 20  # pages received before they are handed to the hashing thread
 MAX_IDLE = 4  # idle connections kept per peer
 META_RETRY_S = 2.0  # after a failed lookup, queries do not ask the MetaServer for this long
+ALTERNATES_KEPT = 1024  # lookups whose other holders are kept for their fetch
+FAILED_HOLDER_S = 10.0  # a holder that refused or failed a fetch is tried after the others for this long
 
 
 class PeerRefused(Exception):
@@ -53,6 +60,7 @@ class FetchCounters:
     fetches: int = 0
     lookups: int = 0
     offered: int = 0  # lookups that found a peer with more of the prefix
+    fallbacks: int = 0  # fetches moved on to another holder after one refused or failed
     refusals: Counter[str] = field(default_factory=Counter)  # by reason: the server's, or ours (checksum, auth)
     failures: Counter[str] = field(default_factory=Counter)  # unreachable, closed, timeout, protocol, metaserver
 
@@ -92,6 +100,8 @@ class PeerFetcher:
         self._lock = threading.Lock()
         self._idle: dict[str, list[_Connection]] = {}
         self._meta_down_until = 0.0
+        self._alternates: OrderedDict[tuple[str, bytes], list[str]] = OrderedDict()  # (ns, first hash) -> addresses
+        self._failed_until: dict[str, float] = {}  # holder address -> until when it is tried last
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvseal-fetch-hash")
 
     def close(self) -> None:
@@ -129,11 +139,19 @@ class PeerFetcher:
             self._meta_down_until = time.monotonic() + META_RETRY_S
             log.warning("MetaServer QueryPrefix failed (%s): misses for %.0f s", e.code().name, META_RETRY_S)
             return None
-        for node in r.nodes:  # longest first
-            if node.node_id != self.node_id and node.prefix > 0:
-                self.counters.offered += 1
-                return node.address, node.prefix
-        return None
+        holders = [(n.address, n.prefix) for n in r.nodes if n.node_id != self.node_id and n.prefix > 0]
+        if not holders:
+            return None
+        now = time.monotonic()
+        holders.sort(key=lambda holder: self._failed_until.get(holder[0], 0.0) > now)  # stable: longest first still
+        with self._lock:
+            key = (namespace_final, hashes[0])
+            self._alternates.pop(key, None)
+            self._alternates[key] = [address for address, _ in holders[1:]]
+            while len(self._alternates) > ALTERNATES_KEPT:
+                self._alternates.popitem(last=False)
+        self.counters.offered += 1
+        return holders[0]
 
     def nodes(self) -> list[dict[str, Any]]:
         """Live nodes as the MetaServer lists them (for /v1/peers); raises grpc.RpcError when it is unreachable."""
@@ -160,12 +178,37 @@ class PeerFetcher:
         offsets: list[int],
         destinations: list[memoryview],
     ) -> tuple[int, bool]:
+        """Fetches from `address`, then, while nothing arrived, from the other holders its lookup named."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._lock:
+            others = self._alternates.pop((namespace_final, hashes[0]), []) if hashes else []
+        got, unsettled = self._fetch_from(address, namespace_final, layout, hashes, offsets, destinations, deadline)
+        for other in others:
+            if got or unsettled or time.monotonic() >= deadline:
+                break
+            log.info("fetch of %s from %s gave nothing: trying %s, another holder", namespace_final, address, other)
+            self.counters.fallbacks += 1
+            address = other
+            got, unsettled = self._fetch_from(address, namespace_final, layout, hashes, offsets, destinations, deadline)
+        return got, unsettled
+
+    def _fetch_from(
+        self,
+        address: str,
+        namespace_final: str,
+        layout: Layout,
+        hashes: list[bytes],
+        offsets: list[int],
+        destinations: list[memoryview],
+        deadline: float,
+    ) -> tuple[int, bool]:
         start = time.perf_counter()
         got = 0
         unsettled = False
+        failed = True  # until the fetch ends without an error
         conn = None
         try:
-            conn = self._connection(address)
+            conn = self._connection(address, deadline)
             per_chunk = max(1, CHUNK_BYTES // layout.page_bytes)
             while got < len(hashes):
                 n = self._fetch_chunk(conn, namespace_final, layout, hashes, offsets, destinations, got, per_chunk)
@@ -174,6 +217,7 @@ class PeerFetcher:
                     break  # the peer holds less than it announced (evicted since)
             self._put_back(address, conn)
             conn = None
+            failed = False
         except PeerRefused as e:
             self.counters.refusals[e.reason] += 1
             log.warning("peer %s refused a fetch of %s: %s", address, namespace_final, e)
@@ -187,12 +231,22 @@ class PeerFetcher:
         finally:
             if conn is not None:
                 conn.sock.close()
+            if failed and got == 0:
+                self._holder_failed(address)
             c = self.counters
             c.fetches += 1
             c.blocks += got
             c.bytes += got * layout.page_bytes
             c.seconds += time.perf_counter() - start
         return got, unsettled
+
+    def _holder_failed(self, address: str) -> None:
+        """`address` refused or failed a fetch: later lookups try it after the other holders for a while."""
+        now = time.monotonic()
+        with self._lock:
+            if len(self._failed_until) >= ALTERNATES_KEPT:
+                self._failed_until = {a: t for a, t in self._failed_until.items() if t > now}
+            self._failed_until[address] = now + FAILED_HOLDER_S
 
     def wait_settled(self, timeout_s: float) -> bool:
         wait = getattr(self.plane, "wait_settled", None)
@@ -253,7 +307,7 @@ class PeerFetcher:
                 return
         conn.sock.close()
 
-    def _connection(self, address: str) -> _Connection:
+    def _connection(self, address: str, deadline: float) -> _Connection:
         with self._lock:
             idle = self._idle.get(address)
             if idle:
@@ -262,10 +316,14 @@ class PeerFetcher:
         host = host.strip("[]")
         if self.token is None and not is_loopback(f"[{host}]:{port}"):
             raise PeerRefused("auth", f"{address} is not on loopback and this engine has no token to prove")
-        sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
+        # connecting and the handshake take a quarter of the fetch's time at most: a holder that stalls there
+        # leaves the rest to the next holder
+        timeout = max(0.05, min(deadline - time.monotonic(), max(1.0, self.timeout_s / 4)))
+        sock = socket.create_connection((host, int(port)), timeout=timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             offer = self._handshake(sock, host, int(port))
+            sock.settimeout(self.timeout_s)
         except BaseException:
             sock.close()
             raise

@@ -10,6 +10,18 @@ from dataclasses import dataclass
 from kvseal.server.config import ConfigError, is_loopback
 
 POLICIES = ("round_robin", "least_inflight")
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # a long prompt, or a few images, fit
+# What one request in flight costs in file descriptors: the client's connection, one to its prefill and one to its
+# decode instance (kept alive for the next requests), and headroom for clients' idle keep-alive connections and
+# the ones being refused; plus a reserve for the process itself.
+FDS_PER_REQUEST = 4
+FD_RESERVE = 64
+MAX_DEFAULT_REQUESTS = 8192
+
+
+def default_max_requests(open_files: int) -> int:
+    """--max-requests when not given: what `open_files` descriptors (the soft RLIMIT_NOFILE) carry."""
+    return max(1, min(MAX_DEFAULT_REQUESTS, (open_files - FD_RESERVE) // FDS_PER_REQUEST))
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +34,8 @@ class RouterConfig:
     token: str | None = None  # the MetaServer's
     timeout_s: float = 300.0
     allow_remote: bool = False
+    max_requests: int = 0  # requests served at once, beyond which a client gets 503 (0: from the open-file limit)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body gets 413
 
 
 def instance_url(flag: str, text: str) -> str:
@@ -49,6 +63,12 @@ def check_config(cfg: RouterConfig) -> RouterConfig:
         if len(set(normal)) != len(normal):
             raise ConfigError(f"argument {flag}: an instance is given twice: pass each instance once")
         lists[flag] = normal
+    if cfg.max_requests < 0:
+        raise ConfigError(
+            f"argument --max-requests: at least 1 (or 0: from the open-file limit), got {cfg.max_requests}"
+        )
+    if cfg.max_body_bytes <= 0:
+        raise ConfigError(f"argument --max-body-size: more than 0 bytes, got {cfg.max_body_bytes}")
     if cfg.policy not in POLICIES:
         raise ConfigError(f"argument --policy: one of {', '.join(POLICIES)}, got {cfg.policy!r}")
     if not is_loopback(cfg.listen) and not cfg.allow_remote:

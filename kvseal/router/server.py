@@ -11,14 +11,21 @@ One request, start to end:
 Every failure to get an answer becomes a RouterError, turned into the client's HTTP error in one place
 (`_generate`): 502 for an unreachable instance or a bad answer, 504 past --timeout. A client that goes away
 cancels its handler (handler_cancellation), which closes the leg's connection, which vLLM takes as an abort.
+
+Limits: at start the router raises its open-file limit to the hard one; at most --max-requests requests (default
+from that limit: each holds a few descriptors) are served at once, and the next ones get 503 at once rather than a
+failed connection to an instance later; a body over --max-body-size gets 413 before it is read; a body that nests
+JSON too deep to parse gets 400. What a client sent wrong, or sent too much of, is never a 5xx.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
+import resource
 import signal
 import sys
 import time
@@ -28,8 +35,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvseal.limits import MAX_BLOCKS_PER_REQUEST
-from kvseal.router.config import RouterConfig
+from kvseal.limits import MAX_BLOCKS_PER_REQUEST, raise_open_file_limit
+from kvseal.router.config import FDS_PER_REQUEST, RouterConfig, default_max_requests
 from kvseal.router.legs import (
     block_hashes,
     decode_body,
@@ -48,7 +55,6 @@ log = logging.getLogger("kvseal.router")
 
 REQUEST_ID = "X-Request-Id"
 CONTENT_TYPE = "Content-Type"
-MAX_BODY_BYTES = 64 << 20  # aiohttp's default (1 MiB) is less than a long prompt or a few images
 SHUTDOWN_GRACE_S = 5.0  # what requests in flight at SIGTERM get to finish
 METASERVER_TIMEOUT_S = 0.5
 METASERVER_QUIET_S = 2.0  # after the MetaServer failed a lookup, decode picks use the policy alone for this long
@@ -101,8 +107,11 @@ class PrefixLookup:
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig) -> None:
+    def __init__(self, cfg: RouterConfig, max_requests: int | None = None) -> None:
+        """`max_requests`: what --max-requests 0 means here (from the open-file limit); cfg's when it names one."""
         self.cfg = cfg
+        self.max_requests = cfg.max_requests or max_requests or default_max_requests(_open_file_limit())
+        self.active = 0  # requests being served (an event-loop counter: no lock)
         self.prefill = [Instance(url) for url in cfg.prefill]
         self.decode = [Instance(url) for url in cfg.decode]
         self.pick_prefill = make_policy(cfg.policy, self.prefill)
@@ -122,7 +131,7 @@ class Router:
         return self._session
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=self.cfg.max_body_bytes)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
@@ -147,14 +156,48 @@ class Router:
 
     async def _generate(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
         rid = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
+        if self.active >= self.max_requests:
+            return self._refuse(self._overloaded(), rid)
+        self.active += 1
         try:
             return await self._route(request, path, chat, rid)
         except RouterError as e:
-            log.warning("request %s: %d %s", rid, e.status, e.message)
-            body = error_body(e.message, e.kind, e.status)
-            return web.json_response(body, status=e.status, headers={REQUEST_ID: rid})
+            return self._refuse(e, rid)
+        except RecursionError:  # json.dumps of a body json.loads just managed, a few frames deeper
+            return self._refuse(_too_deep(), rid)
+        finally:
+            self.active -= 1
+
+    def _overloaded(self) -> RouterError:
+        return RouterError(
+            503,
+            "service_unavailable",
+            f"the router is serving {self.max_requests} requests, its limit (--max-requests): retry later, or "
+            "raise --max-requests",
+        )
+
+    def _refuse(self, e: RouterError, rid: str) -> web.StreamResponse:
+        """The client's error response for `e`. A 413 or 503 closes the connection: its descriptor is free at once,
+        and a body left unread is not waited for."""
+        log.warning("request %s: %d %s", rid, e.status, e.message)
+        headers = {REQUEST_ID: rid}
+        if e.status == 503:
+            headers["Retry-After"] = "1"
+        response = web.json_response(error_body(e.message, e.kind, e.status), status=e.status, headers=headers)
+        if e.status in (413, 503):
+            response.force_close()
+        return response
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
+        if self.active >= self.max_requests:
+            return self._refuse(self._overloaded(), request.headers.get(REQUEST_ID) or uuid.uuid4().hex)
+        self.active += 1
+        try:
+            return await self._models_of_one(request)
+        finally:
+            self.active -= 1
+
+    async def _models_of_one(self, request: web.Request) -> web.StreamResponse:
         instance = self.pick_decode.pick()
         try:
             async with self.session.get(
@@ -179,8 +222,18 @@ class Router:
     # ---------------------------------------------------------------- one request
 
     async def _route(self, request: web.Request, path: str, chat: bool, rid: str) -> web.StreamResponse:
+        cap = self.cfg.max_body_bytes
+        length = request.content_length
+        if length is not None and length > cap:
+            raise _too_large(length, cap)
         try:
-            body = json.loads(await request.read())
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:  # a body without Content-Length, read up to the cap
+            raise _too_large(None, cap) from None
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            raise _too_deep() from None
         except ValueError:
             raise RouterError(400, "invalid_request_error", "the request body is not JSON") from None
         if not isinstance(body, dict):
@@ -364,7 +417,15 @@ class Router:
             instance.forget_layout()
 
     def _failed(self, leg: str, instance: Instance, e: BaseException) -> RouterError:
-        """The client's error for a leg that got no (whole) answer; the instance counts as failed."""
+        """The client's error for a leg that got no (whole) answer; the instance counts as failed, unless the
+        router itself could not open a connection to it."""
+        if isinstance(e, aiohttp.ClientConnectorError) and e.os_error.errno in (errno.EMFILE, errno.ENFILE):
+            return RouterError(
+                503,
+                "service_unavailable",
+                f"the router is out of file descriptors (open-file limit {_open_file_limit()}, --max-requests "
+                f"{self.max_requests}): retry later; lower --max-requests, or raise the limit (ulimit -n)",
+            )
         instance.ok = False
         instance.forget_layout()
         where = f"the {leg} instance {instance.url}"
@@ -373,6 +434,25 @@ class Router:
         if isinstance(e, aiohttp.ClientConnectorError):
             return RouterError(502, "bad_gateway", f"{where} is unreachable: {_describe_error(e)}")
         return RouterError(502, "bad_gateway", f"{where} broke off its answer: {_describe_error(e)}")
+
+
+def _too_large(length: int | None, cap: int) -> RouterError:
+    size = f"{length} bytes, more" if length is not None else "more"
+    message = f"the request body is {size} than the router takes: at most {cap} bytes (--max-body-size)"
+    return RouterError(413, "invalid_request_error", message)
+
+
+def _too_deep() -> RouterError:
+    return RouterError(
+        400,
+        "invalid_request_error",
+        f"the request body nests JSON arrays or objects too deeply to parse (about {sys.getrecursionlimit()} "
+        "levels at most)",
+    )
+
+
+def _open_file_limit() -> int:
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def _forwarded(request: web.Request) -> dict[str, str]:
@@ -398,7 +478,16 @@ def _split_listen(listen: str) -> tuple[str, int]:
 
 async def serve(cfg: RouterConfig) -> int:
     """Runs the router until SIGTERM or SIGINT; 1 when it cannot listen."""
-    router = Router(cfg)
+    open_files = raise_open_file_limit()
+    router = Router(cfg, default_max_requests(open_files))
+    if router.max_requests * FDS_PER_REQUEST > open_files:
+        log.warning(
+            "--max-requests %d may need %d file descriptors, and the open-file limit is %d: requests past it get 503",
+            router.max_requests,
+            router.max_requests * FDS_PER_REQUEST,
+            open_files,
+        )
+    log.info("serving at most %d requests at once (open-file limit %d)", router.max_requests, open_files)
     runner = web.AppRunner(router.app(), handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S, access_log=None)
     await runner.setup()
     host, port = _split_listen(cfg.listen)

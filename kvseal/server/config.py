@@ -26,12 +26,13 @@ class ServeConfig:
     lane_group: str | None = None  # the lane socket becomes 0660 with this group: other local users may connect
     lane_max_connections: int = 4096
     lane_idle_timeout_s: float = 60.0
+    max_mapped_per_uid_bytes: int | None = None  # None: 4 x pool_bytes; 0: no cap (root and the engine's user: none)
     ssd_paths: tuple[str, ...] = ()  # directories of the SSD tier (off when empty); blocks stripe across them
     ssd_capacity_bytes: int = 0  # per path
     ssd_segment_bytes: int = 256 << 20
     ssd_recovery: str = "scan"
     metaserver: str = ""  # HOST:PORT of the MetaServer to announce this node's blocks to ('' = none)
-    node_id: str = ""  # this node's name there (default: the host name)
+    node_id: str = ""  # this node's name there (default: HOSTNAME:PORT of listen, kvseal.server.serve.default_node_id)
     advertise: str = ""  # where peers reach this node (default: the peer listen address)
     peer_listen: str = ""  # HOST:PORT serving other nodes' fetches (default with a MetaServer: 127.0.0.1, any port)
     peer_transport: str = "tcp"  # tcp | mooncake
@@ -73,6 +74,13 @@ def format_size(n: int) -> str:
 
 def physical_memory() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def mapped_per_uid_cap(cfg: ServeConfig) -> int:
+    """Bytes of worker memory one uid may have the engine map (0: no cap): --max-mapped-per-uid, else 4 x the pool.
+    Mapping a worker's memfd costs the engine nothing where the worker's pages exist, but faults in the holes of a
+    sparse one: the cap bounds what a tenant can make the engine allocate."""
+    return 4 * cfg.pool_bytes if cfg.max_mapped_per_uid_bytes is None else cfg.max_mapped_per_uid_bytes
 
 
 def check_config(cfg: ServeConfig) -> None:

@@ -1,6 +1,7 @@
-"""HTTP side of the engine: /health, /metrics (Prometheus), /v1/instances, /v1/namespaces, /v1/peers,
-/v1/compatibility?a=NS&b=NS (why two final namespaces cannot share blocks) (JSON), and
-DELETE /v1/namespaces/<namespace_final>[?uid=N], which purges a final namespace from memory and SSD.
+"""HTTP side of the engine: /health (200 once the engine serves, 503 while it starts or stops), /metrics
+(Prometheus), /v1/instances, /v1/namespaces, /v1/peers, /v1/compatibility?a=NS&b=NS (why two final namespaces
+cannot share blocks) (JSON), and DELETE /v1/namespaces/<namespace_final>[?uid=N], which purges a final namespace
+from memory and SSD.
 
 Who may ask: /health, anyone. Every other path: with a token, whoever sends it; without one, only a client whose
 socket belongs to the engine's uid or root (kvseal.server.peers), since they show every tenant's namespaces.
@@ -22,7 +23,8 @@ import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvseal.engine.engine import Engine
-from kvseal.errors import NotFound
+from kvseal.errors import NotFound, quote
+from kvseal.limits import MAX_NAMESPACE_FINAL_CHARS
 from kvseal.server.metrics import Metrics
 from kvseal.server.peers import local_uid_allowed, tcp_peer_uid
 
@@ -34,10 +36,13 @@ class HttpServer:
         self._server = server_class((host, port), handler)
         self._server.daemon_threads = True
         self._server.peers = None  # type: ignore[attr-defined]
+        self._server.ready = threading.Event()  # type: ignore[attr-defined]
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="kvseal-http", daemon=True)
 
     def start(self) -> None:
+        """Serves, and /health says ready (the server calls this once everything else serves)."""
+        self._server.ready.set()  # type: ignore[attr-defined]
         self._thread.start()
 
     @property
@@ -50,7 +55,9 @@ class HttpServer:
         self._server.peers = fetcher  # type: ignore[attr-defined]
 
     def stop(self) -> None:
-        self._server.shutdown()
+        self._server.ready.clear()  # type: ignore[attr-defined]
+        if self._thread.is_alive():  # shutdown() waits for serve_forever, which a failed start never ran
+            self._server.shutdown()
         self._server.server_close()
 
 
@@ -72,7 +79,10 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._allowed(path):
             return
         if path == "/health":
-            self._send(200, "application/json", b'{"status":"ok"}')
+            if self.server.ready.is_set():  # type: ignore[attr-defined]
+                self._send(200, "application/json", b'{"status":"ok"}')
+            else:
+                self._send(503, "application/json", b'{"status":"unavailable"}')
         elif path == "/metrics":
             self._send(200, CONTENT_TYPE_LATEST, generate_latest(self.metrics.registry))
         elif path == "/v1/namespaces":
@@ -84,7 +94,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/v1/compatibility":
             self._compatibility()
         else:
-            self._error(404, f"no such path {path!r}")
+            self._error(404, f"no such path {quote(path)}")
 
     def do_DELETE(self) -> None:  # noqa: N802
         url = urllib.parse.urlsplit(self.path)
@@ -92,16 +102,19 @@ class _Handler(BaseHTTPRequestHandler):
             return
         prefix = "/v1/namespaces/"
         if not url.path.startswith(prefix) or len(url.path) == len(prefix):
-            self._error(404, f"no such path {url.path!r}: DELETE /v1/namespaces/<namespace_final>[?uid=N]")
+            self._error(404, f"no such path {quote(url.path)}: DELETE /v1/namespaces/<namespace_final>[?uid=N]")
             return
         namespace = urllib.parse.unquote(url.path[len(prefix) :])
+        if len(namespace) > MAX_NAMESPACE_FINAL_CHARS:
+            self._error(400, f"namespace_final has {len(namespace)} characters; at most {MAX_NAMESPACE_FINAL_CHARS}")
+            return
         uid_arg = urllib.parse.parse_qs(url.query).get("uid", [None])[0]
         if uid_arg is not None and not uid_arg.isdigit():
-            self._error(400, f"uid must be a number, got {uid_arg!r}")
+            self._error(400, f"uid must be a number, got {quote(uid_arg)}")
             return
         purged = self.engine.purge(namespace, None if uid_arg is None else int(uid_arg))
         if not purged:
-            self._error(404, f"no namespace {namespace!r} in memory or on SSD")
+            self._error(404, f"no namespace {quote(namespace)} in memory or on SSD")
             return
         self._json(purged)
 
@@ -111,6 +124,10 @@ class _Handler(BaseHTTPRequestHandler):
         if not a or not b:
             self._error(400, "name both final namespaces: /v1/compatibility?a=<namespace_final>&b=<namespace_final>")
             return
+        for name, value in (("a", a), ("b", b)):
+            if len(value) > MAX_NAMESPACE_FINAL_CHARS:
+                self._error(400, f"{name} has {len(value)} characters; at most {MAX_NAMESPACE_FINAL_CHARS}")
+                return
         try:
             diffs, message = self.engine.compare(a, b)
         except NotFound as e:

@@ -33,10 +33,11 @@ import time
 from dataclasses import dataclass, field
 
 from kvseal import lane
-from kvseal.core.layout import LayerGeometry, LayerRegistration, WorkerRegistration, normalize_dtype
+from kvseal.core.layout import MAX_NAME_CHARS, LayerGeometry, LayerRegistration, WorkerRegistration, normalize_dtype
 from kvseal.engine.engine import Engine, InstanceStatus, Peer, Session
 from kvseal.engine.memory import CudaSpec, ShmSpec
 from kvseal.errors import InvalidArgument, KvsealError, Unauthenticated
+from kvseal.limits import MAX_CUDA_HANDLE_BYTES, MAX_INSTANCE_ID_CHARS, MAX_STRIDES, check_length
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.server.metrics import Metrics
 
@@ -45,6 +46,7 @@ _READ_CHUNK = 1 << 20
 _SEND_TIMEOUT_S = 10.0  # a peer that does not read its answers for this long is dropped
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _ERROR_LOG_INTERVAL_S = 10.0
+MAX_MESSAGE_CHARS = 1024  # an error message is cut there (gRPC carries it in a trailer, whose size has a hard limit)
 
 
 class _ThreadBuffers(threading.local):
@@ -345,11 +347,11 @@ class LaneServer:
             return lane.encode_ok(encode_status(status).SerializeToString())
         except KvsealError as e:
             code = e.status
-            return lane.encode_error(e.status, str(e))
+            return lane.encode_error(e.status, bounded(str(e)))
         except Exception as e:  # a bug, not bad input: answer and keep serving
             code = "INTERNAL"
             log.exception("lane %s failed", method)
-            return lane.encode_error("INTERNAL", f"{method} failed inside the engine: {type(e).__name__}: {e}")
+            return lane.encode_error("INTERNAL", bounded(f"{method} failed inside the engine: {type(e).__name__}: {e}"))
         finally:
             self.metrics.observe_rpc(f"lane.{method}", code, time.perf_counter() - start)
 
@@ -416,9 +418,14 @@ def decode_registration(body: bytes) -> WorkerRegistration:
     try:
         request.ParseFromString(body)
     except Exception as e:  # protobuf's DecodeError
-        raise InvalidArgument(f"RegisterRequest does not parse: {e}") from None
+        raise InvalidArgument(bounded(f"RegisterRequest does not parse: {e}")) from None
+    check_length("instance_id", request.instance_id, MAX_INSTANCE_ID_CHARS)
+    check_length("namespace", request.namespace, MAX_NAME_CHARS)
     layers = []
     for i, spec in enumerate(request.layers):
+        for name in ("name", "dtype", "layout_tag"):
+            check_length(f"layers[{i}].{name}", getattr(spec, name), MAX_NAME_CHARS)
+        check_length(f"layers[{i}].strides", spec.strides, MAX_STRIDES)
         kind = spec.memory.WhichOneof("kind")
         memory: ShmSpec | CudaSpec
         if kind == "shm":
@@ -426,6 +433,8 @@ def decode_registration(body: bytes) -> WorkerRegistration:
             memory = ShmSpec(m.fd, m.offset, m.size)
         elif kind == "cuda":
             c = spec.memory.cuda
+            for name in ("handle", "ref_counter_handle", "event_handle"):
+                check_length(f"layers[{i}].memory.cuda.{name}", getattr(c, name), MAX_CUDA_HANDLE_BYTES)
             memory = CudaSpec(
                 c.device,
                 c.handle,
@@ -464,6 +473,11 @@ def decode_registration(body: bytes) -> WorkerRegistration:
         block_size=request.block_size,
         layers=tuple(layers),
     )
+
+
+def bounded(message: str) -> str:
+    """`message` cut to MAX_MESSAGE_CHARS (client values in it are quoted already: kvseal.errors.quote)."""
+    return message if len(message) <= MAX_MESSAGE_CHARS else message[:MAX_MESSAGE_CHARS] + "…"
 
 
 def encode_status(s: InstanceStatus) -> pb.InstanceStatus:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import resource
 import socket
 import threading
@@ -17,14 +18,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvseal.engine.engine import Engine
+from kvseal.limits import raise_open_file_limit
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
 from kvseal.server.addresses import StartError, bind_failure, check_addresses, check_unix, lane_socket_path, unix_path
-from kvseal.server.config import ServeConfig, check_config, format_size
+from kvseal.server.config import ServeConfig, check_config, format_size, mapped_per_uid_cap
 from kvseal.server.http import HttpServer
 from kvseal.server.lane import LaneServer
 from kvseal.server.metrics import Metrics
 from kvseal.server.service import EngineService
-from kvseal.ssd.device import FileDevice
+from kvseal.ssd.device import FileDevice, TierDirectoryError
 from kvseal.ssd.tier import DiskTier
 
 __all__ = ["EngineServer", "ServeConfig", "StartError"]
@@ -71,6 +73,8 @@ class EngineServer:
             maximum_concurrent_rpcs=cfg.max_workers,
         )
         self._health = health.HealthServicer()
+        for service in ("", "kvseal.v1.Engine"):  # SERVING once every listener serves
+            self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         self._http: HttpServer | None = None
         self._lane: LaneServer | None = None
@@ -92,7 +96,7 @@ class EngineServer:
 
     def _start(self) -> None:
         cfg = self.cfg
-        _raise_fd_limit()
+        raise_open_file_limit()  # every lane session holds a descriptor, every mapped memfd one more
         check_addresses(cfg)
         grpc_path = unix_path(cfg.listen)
         self.port = self._bind_grpc(grpc_path)
@@ -104,14 +108,15 @@ class EngineServer:
         self.service = EngineService(self.engine, self.metrics, token=cfg.token is not None, unix=bool(grpc_path))
         self.service.port = self.port
         pb_grpc.add_EngineServicer_to_server(self.service, self._grpc)
-        self._grpc.start()
-        if cfg.http_listen:
+        if cfg.http_listen:  # bound now (a taken port fails the start), served last
             host, port = cfg.http_listen.rsplit(":", 1)
             try:
                 self._http = HttpServer(host.strip("[]"), int(port), self.engine, self.metrics, cfg.token)
             except OSError as e:  # taken since check_addresses()
                 raise bind_failure(cfg.http_listen, "--http-listen", e) from None
-            self._http.start()
+        # Ready means ready: a client that sees /health answer, or gets Info, finds the lane serving. So the lane
+        # serves first, gRPC (bound above, its connections waiting in the backlog) starts once everything else
+        # does, and HTTP, whose /health the orchestrators and tests poll, last.
         self._lane = LaneServer(
             self.lane_socket,
             self.engine,
@@ -125,19 +130,22 @@ class EngineServer:
         self.service.lane_socket = self.lane_socket
         if cfg.metaserver:
             self._start_peers()
+        threading.Thread(target=self._tick, name="kvseal-tick", daemon=True).start()
+        self._grpc.start()
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._health.set("kvseal.v1.Engine", health_pb2.HealthCheckResponse.SERVING)
-        threading.Thread(target=self._tick, name="kvseal-tick", daemon=True).start()
+        if self._http is not None:
+            self._http.start()
 
     def _start_peers(self) -> None:
         """Serves this node's blocks to other nodes, fetches theirs on a miss, and tells the MetaServer what it
         holds."""
-        from kvseal.meta.announcer import Announcer
+        from kvseal.meta.announcer import Announcer, ClaimRefused
         from kvseal.peer.client import PeerFetcher
         from kvseal.peer.server import PeerServer
 
         cfg = self.cfg
-        node_id = cfg.node_id or socket.gethostname()
+        node_id = cfg.node_id or default_node_id(cfg.listen, self.port)
         self.service.node_id = node_id
         host, port = (cfg.peer_listen or "127.0.0.1:0").rsplit(":", 1)
         # Mooncake's offer names the host other nodes reach: the advertised one when there is one
@@ -159,9 +167,15 @@ class EngineServer:
             on_meta_rpc=self.metrics.observe_meta_rpc,
         )
         self.engine.use_peers(self._fetcher)
-        self._announcer = Announcer(
+        announcer = Announcer(
             self.engine, cfg.metaserver, node_id, cfg.advertise or self._peer_server.address, token=cfg.token
         )
+        try:
+            announcer.claim()  # the node id is this engine's, or the start fails here
+        except ClaimRefused as e:
+            announcer.close()
+            raise StartError(str(e)) from None
+        self._announcer = announcer
         self._announcer.start()
         self.metrics.watch_peers(self._announcer, self._peer_server, self._fetcher)
         if self._http is not None:
@@ -241,6 +255,14 @@ class EngineServer:
             self._plane.close()
 
 
+def default_node_id(listen: str, port: int) -> str:
+    """The node id of an engine without --node-id: HOSTNAME:PORT of its gRPC --listen, HOSTNAME:PATH for a unix
+    socket. Two engines on one host cannot share a port or a socket path, so their ids differ; one engine keeps its
+    id across restarts (a restarted engine takes its id over once its predecessor unregistered or went stale)."""
+    where = listen.removeprefix("unix:").removeprefix("//") if listen.startswith("unix:") else str(port)
+    return re.sub(r"[^A-Za-z0-9._:@+=/-]", "_", f"{socket.gethostname()}:{where}")[:256]
+
+
 def _unlink_if_same(path: str, inode: int) -> None:
     """Removes `path` if it is still the file this engine created (not another engine's since)."""
     try:
@@ -271,28 +293,37 @@ def _open_plane(transport: str, engine: Engine, host: str) -> Any:
 
 
 def _open_ssd(cfg: ServeConfig) -> DiskTier | None:
-    """The SSD tier on cfg.ssd_paths, its index recovered (None when off)."""
+    """The SSD tier on cfg.ssd_paths, its index recovered (None when off). Each directory must be this user's alone
+    and is locked for this engine (kvseal.ssd.device): another user's, a writable-by-others or a locked one is a
+    StartError naming the path, why and the fix."""
     if not cfg.ssd_paths:
         return None
-    devices = []
-    for path in cfg.ssd_paths:
-        try:
-            device = FileDevice(path, cfg.ssd_capacity_bytes, cfg.ssd_segment_bytes)
-        except OSError as e:
-            raise StartError(
-                f"cannot use --ssd-path {path!r}: {e.strerror or e}: pass a directory this user owns"
-            ) from None
-        if not device.direct:
-            log.warning("ssd %s: O_DIRECT is not supported there: buffered I/O (the page cache holds a copy)", path)
-        devices.append(device)
-    # queued blocks stay pinned in the pool until written: a quarter of it at most, so Saves always find room
-    tier = DiskTier(devices, max_pending_bytes=min(512 << 20, cfg.pool_bytes // 4))
+    devices: list[FileDevice] = []
     try:
-        report = tier.open(cfg.ssd_recovery)
-    except RuntimeError as e:  # --ssd-recovery strict found something bad
-        raise StartError(f"{e}: repair or move the directory, or start with --ssd-recovery scan") from None
-    except OSError as e:
-        raise StartError(f"cannot recover the SSD tier: {e.strerror or e}") from None
+        for path in cfg.ssd_paths:
+            try:
+                device = FileDevice(path, cfg.ssd_capacity_bytes, cfg.ssd_segment_bytes)
+            except TierDirectoryError as e:
+                raise StartError(f"cannot use --ssd-path {path!r}: {e}") from None
+            except OSError as e:
+                raise StartError(
+                    f"cannot use --ssd-path {path!r}: {e.strerror or e}: pass a directory this user owns"
+                ) from None
+            devices.append(device)
+            if not device.direct:
+                log.warning("ssd %s: O_DIRECT is not supported there: buffered I/O (the page cache holds a copy)", path)
+        # queued blocks stay pinned in the pool until written: a quarter of it at most, so Saves always find room
+        tier = DiskTier(devices, max_pending_bytes=min(512 << 20, cfg.pool_bytes // 4))
+        try:
+            report = tier.open(cfg.ssd_recovery)
+        except RuntimeError as e:  # --ssd-recovery strict found something bad
+            raise StartError(f"{e}: repair or move the directory, or start with --ssd-recovery scan") from None
+        except OSError as e:
+            raise StartError(f"cannot recover the SSD tier: {e.strerror or e}") from None
+    except BaseException:
+        for device in devices:
+            device.close()  # and with it the directory's lock
+        raise
     log.info(
         "ssd: %d records in %d segments recovered in %.2f s (%d scanned, torn tails cut %d, bad %s, re-keyed %s, "
         "dropped namespaces %s)",
@@ -317,6 +348,7 @@ def _allocate_engine(cfg: ServeConfig, ssd: DiskTier | None = None) -> Engine:
             lease_ttl_s=cfg.lease_ttl_s,
             inflight_timeout_s=cfg.inflight_timeout_s,
             ssd=ssd,
+            max_mapped_per_uid=mapped_per_uid_cap(cfg),
         )
     except OSError as e:  # mmap: ENOMEM past the overcommit or the address-space limit
         if ssd is not None:
@@ -336,14 +368,3 @@ def _available_memory() -> int:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _raise_fd_limit() -> None:
-    """Every lane session holds a descriptor and every mapped memfd one more: take the hard limit (default soft
-    limits are often 1024)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError):
-            log.warning("cannot raise the open-file limit from %d to %d", soft, hard)

@@ -13,11 +13,19 @@ import grpc
 
 from kvseal import __version__
 from kvseal.engine.engine import Engine, Peer
-from kvseal.errors import KvsealError, PermissionDenied
+from kvseal.errors import KvsealError, PermissionDenied, Unavailable
+from kvseal.limits import (
+    MAX_BLOCKS_PER_REQUEST,
+    MAX_DESCRIPTOR_BYTES,
+    MAX_INSTANCE_ID_CHARS,
+    MAX_NAMESPACE_FINAL_CHARS,
+    MAX_REQUEST_ID_CHARS,
+    check_length,
+)
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
 from kvseal.server import peers
-from kvseal.server.lane import encode_status
+from kvseal.server.lane import bounded, encode_status
 from kvseal.server.metrics import Metrics
 
 log = logging.getLogger("kvseal.server")
@@ -36,11 +44,13 @@ def _rpc(method: F) -> F:
             return method(self, request, context)
         except KvsealError as e:
             code = e.status
-            context.abort(getattr(grpc.StatusCode, e.status), str(e))
+            context.abort(getattr(grpc.StatusCode, e.status), bounded(str(e)))
         except Exception as e:  # a bug, not bad input: keep serving, say what broke
             code = "INTERNAL"
             log.exception("%s failed", name)
-            context.abort(grpc.StatusCode.INTERNAL, f"{name} failed inside the engine: {type(e).__name__}: {e}")
+            context.abort(
+                grpc.StatusCode.INTERNAL, bounded(f"{name} failed inside the engine: {type(e).__name__}: {e}")
+            )
         finally:
             self.metrics.observe_rpc(name, code, time.perf_counter() - start)
 
@@ -74,6 +84,8 @@ class EngineService(pb_grpc.EngineServicer):
 
     @_rpc
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
+        if not self.lane_socket:  # the server listens only once the lane serves: this is a bug, not a race
+            raise Unavailable("the engine is starting: its lane does not serve yet; ask again")
         return pb.InfoResponse(
             version=__version__,
             pool_bytes=self.engine.store.arena_bytes,
@@ -83,11 +95,15 @@ class EngineService(pb_grpc.EngineServicer):
 
     @_rpc
     def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.InstanceStatus:
+        check_length("instance_id", request.instance_id, MAX_INSTANCE_ID_CHARS)
         self._peer(context)
         return encode_status(self.engine.status(request.instance_id))
 
     @_rpc
     def Query(self, request: pb.QueryRequest, context: grpc.ServicerContext) -> pb.QueryResponse:
+        check_length("instance_id", request.instance_id, MAX_INSTANCE_ID_CHARS)
+        check_length("request_id", request.request_id, MAX_REQUEST_ID_CHARS)
+        check_length("block_hashes", request.block_hashes, MAX_BLOCKS_PER_REQUEST)  # each hash: the engine
         r = self.engine.query(
             request.instance_id, request.block_hashes, self._peer(context), request.lease_ttl_ms, request.request_id
         )
@@ -101,11 +117,15 @@ class EngineService(pb_grpc.EngineServicer):
 
     @_rpc
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        check_length("instance_id", request.instance_id, MAX_INSTANCE_ID_CHARS)
         self.engine.release(request.instance_id, request.lease_id, self._peer(context))
         return pb.ReleaseResponse()
 
     @_rpc
     def Compare(self, request: pb.CompareRequest, context: grpc.ServicerContext) -> pb.CompareResponse:
+        check_length("namespace_final", request.namespace_final, MAX_NAMESPACE_FINAL_CHARS)
+        check_length("other_namespace_final", request.other_namespace_final, MAX_NAMESPACE_FINAL_CHARS)
+        check_length("other_descriptor", request.other_descriptor, MAX_DESCRIPTOR_BYTES)
         self._peer(context)  # layouts name every tenant's models: privileged callers only, as /v1/namespaces
         diffs, message = self.engine.compare(
             request.namespace_final, request.other_namespace_final, request.other_descriptor
