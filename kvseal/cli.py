@@ -14,7 +14,8 @@ import sys
 from typing import TYPE_CHECKING, NoReturn
 
 import kvseal
-from kvseal.server.config import ConfigError, ServeConfig, check_config, format_size, is_loopback
+from kvseal.auth import is_loopback
+from kvseal.server.config import ConfigError, ServeConfig, check_config, format_size
 
 if TYPE_CHECKING:
     from kvseal.router import RouterConfig

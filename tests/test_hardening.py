@@ -501,7 +501,7 @@ def test_another_user_over_tokenless_tcp_grpc_is_refused(
     engine_factory: Callable[..., EngineProcess], tenants: Callable[..., Tenant]
 ) -> None:
     """Tokenless loopback gRPC serves only the engine's uid and root (the peer's uid from the kernel's socket
-    table, kvseal.server.peers). Info is open: it names the lane, where the kernel names every peer."""
+    table, kvseal.auth). Info is open: it names the lane, where the kernel names every peer."""
     engine = engine_factory()
     sealed = tenants(engine, "root-S")
     sealed.save(ROOT_HASHES)

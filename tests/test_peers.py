@@ -1,4 +1,4 @@
-"""Who is on the other end of a loopback TCP connection (kvseal.server.peers), and the HTTP side that uses it.
+"""Who is on the other end of a loopback TCP connection (kvseal.auth), and the HTTP side that uses it.
 
 Real sockets only. A client of another uid is a child python that starts as root, imports what it needs, drops
 to nobody (65534) and then connects; those tests need root, as in CI.
@@ -16,11 +16,11 @@ from contextlib import contextmanager
 
 import pytest
 
+from kvseal import auth
+from kvseal.auth import local_uid_allowed, parse_grpc_peer, tcp_peer_uid
 from kvseal.engine.engine import Engine
-from kvseal.server import peers
 from kvseal.server.http import HttpServer
 from kvseal.server.metrics import Metrics
-from kvseal.server.peers import local_uid_allowed, parse_grpc_peer, tcp_peer_uid
 
 NOBODY = 65534
 # the suite runs as root (CI does): dropping a child to uid 65534 needs it, and a test that cannot run must fail
@@ -86,7 +86,7 @@ def as_root() -> None:
 
 def _via_proc(host: str, port: int, server_port: int, *, server_host: str | None = None) -> int | None:
     """tcp_peer_uid as it answers where sock_diag does not work: from /proc/net/tcp{,6} alone."""
-    return peers._lookup(host, port, server_port, server_host, sock_diag=False)
+    return auth._lookup(host, port, server_port, server_host, sock_diag=False)
 
 
 @pytest.fixture(params=["sock_diag", "proc"])
@@ -159,7 +159,7 @@ def test_parse_grpc_peer(peer: str, expected: tuple[str, int] | None) -> None:
 
 def test_sock_diag_works_here() -> None:
     """Else every lookup walks /proc/net/tcp{,6}: milliseconds per RPC."""
-    assert peers._sock_diag_works()
+    assert auth._sock_diag_works()
 
 
 @pytest.mark.parametrize(("family", "host"), FAMILIES)

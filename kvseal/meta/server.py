@@ -6,7 +6,7 @@ agree on what "stale" means).
 
 Who may call: loopback only unless --allow-remote with a token (like the engine); with a token every RPC and HTTP
 path but /health needs it. Without a token, over TCP only the MetaServer's own user and root (the socket owner of
-a loopback client, as the engine identifies its tokenless TCP clients: kvseal.server.peers), on a unix socket
+a loopback client, as the engine identifies its tokenless TCP clients: kvseal.auth), on a unix socket
 (mode 0600) its own user. A node id belongs to one live session: another session's heartbeat is refused
 (ALREADY_EXISTS) until the current one unregisters or goes stale.
 
@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram, generate_latest
 
+from kvseal.auth import local_uid_allowed, parse_grpc_peer, tcp_peer_uid, token_interceptor
 from kvseal.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -60,10 +61,6 @@ from kvseal.limits import (
 from kvseal.meta.store import Block, MemoryStore, MetaStore, NodeHeld, NodeHit, StoreFull
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
-
-# kvseal.server.peers identifies tokenless loopback callers for the engine; the MetaServer reuses it from there
-# (it belongs below both: a later change moves it down)
-from kvseal.server.peers import local_uid_allowed, parse_grpc_peer, tcp_peer_uid
 
 log = logging.getLogger("kvseal.metaserver")
 _ID_RE = re.compile(r"^[A-Za-z0-9._:@+=/-]+$")  # lengths are checked first
@@ -493,11 +490,10 @@ class MetaServer:
         nodes.set_function(lambda: len(self._nodes()))
         blocks = Gauge("kvseal_meta_blocks", "Blocks announced by live nodes", registry=self.registry)
         blocks.set_function(lambda: sum(n.blocks for n in self._nodes()))
-        from kvseal.server.serve import _TokenInterceptor
 
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvseal-meta"),
-            interceptors=[_TokenInterceptor(cfg.token)] if cfg.token else [],
+            interceptors=[token_interceptor(cfg.token)] if cfg.token else [],
             options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 16 << 20)],
         )
         pb_grpc.add_MetaServerServicer_to_server(self.service, self._grpc)

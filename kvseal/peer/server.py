@@ -1,7 +1,7 @@
 """The serving side of peer fetch: other nodes' engines connect here and read this node's pages.
 
 Who may connect: with a token, whoever proves it in the handshake; without one (loopback only), a process of the
-engine's own user or root, as the kernel's socket table says (kvseal.server.peers). Only the engine's own user's
+engine's own user or root, as the kernel's socket table says (kvseal.auth). Only the engine's own user's
 blocks are offered, the same ones its announcer tells the MetaServer about.
 
 A fetch names namespace_final and the full layout digest: a digest or page size other than this node's for that
@@ -27,11 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvseal.auth import local_uid_allowed, tcp_peer_uid
 from kvseal.engine.engine import Engine
 from kvseal.errors import InvalidArgument
 from kvseal.peer import wire
 from kvseal.peer.tcp import checksums, recv_exact, recv_frame
-from kvseal.server.peers import local_uid_allowed, tcp_peer_uid
 
 log = logging.getLogger("kvseal.peer")
 HANDSHAKE_TIMEOUT_S = 2.0  # from accept to READY: a node on the network needs a few round trips

@@ -10,7 +10,7 @@ A connection starts with a handshake that authenticates both ends, then carries 
 
     With a shared token, proofs are HMAC-SHA256(token, role | client nonce | server nonce), role b"server" or
     b"client": each end shows it knows the token without sending it. Without one (loopback only), proofs are zero
-    and each end checks who owns the other's socket (kvseal.server.peers) instead.
+    and each end checks who owns the other's socket (kvseal.auth) instead.
     `plane` names the data plane (PLANES); `offer` is what the fetcher needs to use it (empty for tcp).
 
     client -> FETCH    u32 body_len | body: u16 len | namespace_final | 32 B layout digest | u32 page_bytes

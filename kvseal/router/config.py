@@ -7,7 +7,8 @@ import dataclasses
 import urllib.parse
 from dataclasses import dataclass
 
-from kvseal.server.config import ConfigError, is_loopback
+from kvseal.auth import is_loopback
+from kvseal.server.config import ConfigError
 
 POLICIES = ("round_robin", "least_inflight")
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # a long prompt, or a few images, fit

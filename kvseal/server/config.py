@@ -7,6 +7,7 @@ import ipaddress
 import os
 from dataclasses import dataclass
 
+from kvseal.auth import is_loopback
 from kvseal.core.store import PAGE_ALIGN
 
 
@@ -41,19 +42,6 @@ class ServeConfig:
 
 class ConfigError(ValueError):
     """A configuration that cannot run anywhere: a usage error. The message starts with the flag at fault."""
-
-
-def is_loopback(address: str) -> bool:
-    """Whether a gRPC/HTTP listen address only accepts local connections."""
-    if address.startswith("unix:"):
-        return True
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _is_wildcard(address: str) -> bool:

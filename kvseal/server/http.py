@@ -4,7 +4,7 @@ cannot share blocks) (JSON), and DELETE /v1/namespaces/<namespace_final>[?uid=N]
 from memory and SSD.
 
 Who may ask: /health, anyone. Every other path: with a token, whoever sends it; without one, only a client whose
-socket belongs to the engine's uid or root (kvseal.server.peers), since they show every tenant's namespaces.
+socket belongs to the engine's uid or root (kvseal.auth), since they show every tenant's namespaces.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Any
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvseal.auth import local_uid_allowed, tcp_peer_uid
 from kvseal.engine.engine import Engine
 from kvseal.errors import NotFound, quote
 from kvseal.limits import MAX_NAMESPACE_FINAL_CHARS
 from kvseal.server.metrics import Metrics
-from kvseal.server.peers import local_uid_allowed, tcp_peer_uid
 
 
 class HttpServer:

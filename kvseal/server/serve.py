@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvseal.auth import token_interceptor
 from kvseal.engine.engine import Engine
 from kvseal.limits import raise_open_file_limit
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
@@ -35,21 +36,6 @@ log = logging.getLogger("kvseal.server")
 MAX_MESSAGE_BYTES = 16 << 20  # the largest valid Query (131072 hashes of 64 bytes) is ~9 MiB
 
 
-class _TokenInterceptor(grpc.ServerInterceptor):
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}"
-        self._deny = grpc.unary_unary_rpc_method_handler(
-            lambda request, context: context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-        )
-
-    def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
-        if details.method.startswith("/grpc.health.v1."):
-            return continuation(details)
-        if dict(details.invocation_metadata or ()).get("authorization") == self._expected:
-            return continuation(details)
-        return self._deny
-
-
 class EngineServer:
     """A running engine. `start()` binds and serves (StartError when this machine refuses); `stop()` ends sessions
     and shuts every server down."""
@@ -61,7 +47,7 @@ class EngineServer:
     def __init__(self, cfg: ServeConfig) -> None:
         check_config(cfg)
         self.cfg = cfg
-        interceptors = [_TokenInterceptor(cfg.token)] if cfg.token else []
+        interceptors = [token_interceptor(cfg.token)] if cfg.token else []
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="kvseal-rpc"),
             interceptors=interceptors,

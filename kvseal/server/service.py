@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvseal import __version__
+from kvseal import __version__, auth
 from kvseal.engine.engine import Engine, Peer
 from kvseal.errors import KvsealError, PermissionDenied, Unavailable
 from kvseal.limits import (
@@ -24,7 +24,6 @@ from kvseal.limits import (
 )
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
-from kvseal.server import peers
 from kvseal.server.lane import bounded, encode_status
 from kvseal.server.metrics import Metrics
 
@@ -73,9 +72,9 @@ class EngineService(pb_grpc.EngineServicer):
     def _peer(self, context: grpc.ServicerContext) -> Peer:
         if self._trusted:
             return Peer(uid=None, privileged=True)
-        address = peers.parse_grpc_peer(context.peer())
-        uid = peers.tcp_peer_uid(address[0], address[1], self.port) if address else None
-        if not peers.local_uid_allowed(uid):
+        address = auth.parse_grpc_peer(context.peer())
+        uid = auth.tcp_peer_uid(address[0], address[1], self.port) if address else None
+        if not auth.local_uid_allowed(uid):
             raise PermissionDenied(
                 f"tokenless TCP serves only the engine's user and root (this peer: uid {uid}): workers use the local "
                 "lane (its socket is in Info), other clients the token (kvseal serve --token)"

@@ -1,8 +1,9 @@
-"""Who is on the other end of a loopback TCP connection: the uid that owns the client's socket.
-
-Without a token the engine serves tokenless TCP only to its own uid and root (`local_uid_allowed`); other local
-users use the token, or the lane's unix socket. TCP has no SO_PEERCRED, but on loopback both ends of a connection
-live in this kernel, so the client's socket is in the kernel's socket tables, with the uid of whoever created it.
+"""Who is calling: the checks every kvseal server (engine gRPC and HTTP, peer port, MetaServer) makes of a caller,
+kept below all of them. A bearer token on gRPC (`token_interceptor`); without one, loopback only (`is_loopback`),
+and there the uid that owns the client's socket (`tcp_peer_uid`), served only when it is this process's own or
+root (`local_uid_allowed`); other local users use the token, or the lane's unix socket (SO_PEERCRED). TCP has no
+SO_PEERCRED, but on loopback both ends of a connection live in this kernel, so the client's socket is in the
+kernel's socket tables, with the uid of whoever created it.
 
 How `tcp_peer_uid` reads it: an exact sock_diag netlink lookup (SOCK_DIAG_BY_FAMILY, inet_diag_req_v2 without
 NLM_F_DUMP) of the client's socket by its 4-tuple; the kernel answers from its connection hash, about 20 µs. The
@@ -35,6 +36,7 @@ import struct
 import sys
 import threading
 import urllib.parse
+from typing import Any
 
 _TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
 _ESTABLISHED = 1  # TCP_ESTABLISHED, "01" in /proc/net/tcp
@@ -242,3 +244,38 @@ def _lines_with(text: str, needle: str) -> list[str]:
 def local_uid_allowed(uid: int | None) -> bool:
     """Whether a tokenless TCP client with this uid may use the engine: the engine's own uid and root only."""
     return uid is not None and uid in (os.getuid(), 0)
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a gRPC/HTTP listen address only accepts local connections."""
+    if address.startswith("unix:"):
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def token_interceptor(token: str) -> Any:
+    """A gRPC server interceptor that refuses (UNAUTHENTICATED) every call without `Authorization: Bearer <token>`,
+    but gRPC health checks. grpc is imported here, not at the top: the CLI checks addresses without it."""
+    import grpc
+
+    class TokenInterceptor(grpc.ServerInterceptor):
+        def __init__(self) -> None:
+            self._expected = f"Bearer {token}"
+            self._deny = grpc.unary_unary_rpc_method_handler(
+                lambda request, context: context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+            )
+
+        def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+            if details.method.startswith("/grpc.health.v1."):
+                return continuation(details)
+            if dict(details.invocation_metadata or ()).get("authorization") == self._expected:
+                return continuation(details)
+            return self._deny
+
+    return TokenInterceptor()
