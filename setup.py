@@ -1,10 +1,10 @@
-"""The one native part of kvseal: its byte-moving kernel (kvseal/engine/_rows.c). Optional: when it cannot be
-built, kvseal copies with numpy instead (kvseal.engine.copy chooses at import)."""
+"""The one native part of kvseal: its byte-moving kernel (kvseal/copy/_rows.c). Optional: when it cannot be
+built, kvseal copies with numpy instead (kvseal.copy.copier chooses at import)."""
 
 from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("kvseal.engine._rows", ["kvseal/engine/_rows.c"], extra_compile_args=["-O2"], optional=True),
+        Extension("kvseal.copy._rows", ["kvseal/copy/_rows.c"], extra_compile_args=["-O2"], optional=True),
     ]
 )

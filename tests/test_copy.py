@@ -1,4 +1,4 @@
-"""The copier (kvseal.engine.copy) against a reference that moves one slot at a time: any block ids and pages,
+"""The copier (kvseal.copy.copier) against a reference that moves one slot at a time: any block ids and pages,
 consecutive or not, land byte-exact, and nothing else in the arena or the worker's memory changes. Every path:
 the native kernel (cached and streaming stores), numpy (the fallback when the kernel is not built), and the CUDA
 copier's plan of 2D copies or one batch, run on host memory by kvseal.testing.cuda.HostRuntime (the real calls run
@@ -12,9 +12,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvseal.copy.copier import SlotSource, WorkerCopier, _spans
+from kvseal.copy.kernel import COPY_PATH, copy_page, kernel
 from kvseal.core.store import PAGE_ALIGN, page_stride
-from kvseal.engine.copy import SlotSource, WorkerCopier, _spans
-from kvseal.engine.kernel import COPY_PATH, copy_page, kernel
 from kvseal.testing.cuda import HostRuntime
 
 NUM_BLOCKS, LAYERS, SEGMENT = 12, 3, 64
@@ -67,7 +67,7 @@ PATHS = ["kernel", "kernel streaming", "numpy", "cuda 2d", "cuda batch"]
 
 
 def test_the_kernel_is_built_and_chosen() -> None:
-    assert kernel is not None, "kvseal/engine/_rows.c was not built: pip install -e . needs gcc and Python's headers"
+    assert kernel is not None, "kvseal/copy/_rows.c was not built: pip install -e . needs gcc and Python's headers"
     assert COPY_PATH.startswith("kernel")
 
 

@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from kvseal.client import EngineClient, layer_from_array
-from kvseal.engine.kernel import COPY_PATH, kernel
+from kvseal.copy.kernel import COPY_PATH, kernel
 from kvseal.errors import KvsealError
 from kvseal.memfd import SharedArray
 

@@ -26,6 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvseal.copy.copier import SlotSource, WorkerCopier
+from kvseal.copy.cuda import cuda_runtime
 from kvseal.core.layout import (
     InstanceRegistry,
     LayerRegistration,
@@ -39,8 +41,6 @@ from kvseal.core.layout import (
     validate_registration,
 )
 from kvseal.core.store import BlockStore, SavePlan, StoreStatistics, page_stride
-from kvseal.engine.copy import SlotSource, WorkerCopier
-from kvseal.engine.cuda import cuda_runtime
 from kvseal.engine.lock import LockStatistics, TimedLock
 from kvseal.engine.memory import (
     Arena,

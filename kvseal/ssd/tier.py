@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from kvseal.copy.kernel import copy_page
 from kvseal.core.layout import Layout, layout_from_descriptor, namespace_final
-from kvseal.engine.kernel import copy_page
 from kvseal.ssd import format as fmt
 from kvseal.ssd.device import ALIGN, Device, aligned_buffer
 

@@ -8,7 +8,7 @@ from typing import Any
 
 
 class HostRuntime:
-    """kvseal.engine.cuda.Runtime over host addresses: each 2D copy is `height` row memmoves and a batch one
+    """kvseal.copy.cuda.Runtime over host addresses: each 2D copy is `height` row memmoves and a batch one
     memmove per copy, done at once."""
 
     def __init__(self) -> None:

@@ -1,6 +1,6 @@
 /* kvseal's byte-moving kernel: copies a list of rows (dst, src, size) in one call, without the GIL.
  *
- * The engine computes every row's addresses in numpy (kvseal/engine/rows.py) from geometry it validated at
+ * The engine computes every row's addresses in numpy (kvseal/copy/rows.py) from geometry it validated at
  * registration and pages the store handed out; this file only moves bytes. Large transfers go with non-temporal
  * stores: they bypass the cache, so a copy much larger than the last-level cache does not first read every
  * destination line in (measured on the project's machines: memcpy of 128 MiB with cached stores 7 GB/s, with
@@ -125,7 +125,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvseal.engine._rows", "kvseal's byte-moving kernel (see _rows.c).", -1, methods,
+    PyModuleDef_HEAD_INIT, "kvseal.copy._rows", "kvseal's byte-moving kernel (see _rows.c).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__rows(void) {

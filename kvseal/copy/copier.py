@@ -4,8 +4,8 @@ module only copies.
 Blocks are moved in *spans*: consecutive block ids whose pages are also consecutive in one slab (a batch saved
 together is carved or evicted in order, and vLLM hands out fresh block ids in order). Three ways move them:
 
-- **the kernel** (kvseal/engine/_rows.c, built by `pip install` when a C compiler is there): every block's layer
-  segments are rows whose addresses numpy computes at once (kvseal.engine.rows), copied in one call without the
+- **the kernel** (kvseal/copy/_rows.c, built by `pip install` when a C compiler is there): every block's layer
+  segments are rows whose addresses numpy computes at once (kvseal.copy.rows), copied in one call without the
   GIL, with non-temporal stores when the call moves STREAM_FROM bytes or more (they skip reading every destination
   line into the cache first: ~1.8x the speed of cached stores for copies beyond a few MiB on the project's
   machines, while small copies gain from the cache);
@@ -19,7 +19,7 @@ together is carved or evicted in order, and vLLM hands out fresh block ids in or
 
   so a span costs one `np.copyto` per run; views use 8-byte words when every offset and stride allows it (uint8
   views copy 3-6x slower, docs/design.md §5);
-- **CUDA** memory: kvseal.engine.cuda (the GPU's DMA engines, 2D copies of the same spans or one batch of rows).
+- **CUDA** memory: kvseal.copy.cuda (the GPU's DMA engines, 2D copies of the same spans or one batch of rows).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from kvseal.copy.cuda import BATCH_FROM, CudaCopier, Runtime, cuda_runtime
+from kvseal.copy.kernel import STREAM_FROM, USE_KERNEL, kernel
+from kvseal.copy.rows import Segment, SegmentTable
 from kvseal.core.store import PAGE_ALIGN
-from kvseal.engine.cuda import BATCH_FROM, CudaCopier, Runtime, cuda_runtime
-from kvseal.engine.kernel import STREAM_FROM, USE_KERNEL, kernel
-from kvseal.engine.rows import Segment, SegmentTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +100,7 @@ class WorkerCopier:
         stream_from: int = STREAM_FROM,
     ) -> None:
         """`runtime`: what copies the torch (CUDA) layers, libcudart by default; `cuda_batch_from`: the number of
-        spans x layer segments from which their copies go in one batched call (kvseal.engine.cuda);
+        spans x layer segments from which their copies go in one batched call (kvseal.copy.cuda);
         `use_kernel`: host copies by the kernel rather than numpy; `stream_from`: see STREAM_FROM."""
         host = [s for s in sources if isinstance(s.memory, np.ndarray)]
         self._arena_address = arena.ctypes.data

@@ -2,7 +2,7 @@
 
 One layer segment of one block is `width` contiguous bytes in GPU memory; consecutive blocks are `pitch` bytes
 apart there and `page_stride` bytes apart in the pool. A span of n consecutive blocks going to n consecutive pages
-(kvseal.engine.copy._spans) is therefore one 2D copy per layer segment, n rows on both sides:
+(kvseal.copy.copier._spans) is therefore one 2D copy per layer segment, n rows on both sides:
 
     GPU   base + first*pitch -> |width|....pitch....|width|....     (n rows)
     pool  page + slot offset -> |width|..page_stride..|width|....
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvseal.engine.rows import Segment, SegmentTable
+from kvseal.copy.rows import Segment, SegmentTable
 from kvseal.errors import FailedPrecondition
 
 log = logging.getLogger(__name__)

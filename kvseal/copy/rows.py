@@ -7,7 +7,7 @@ consecutive blocks `pitch` apart there; in a page it sits at `page_offset`. A ba
     worker  gpu/host base[s] + block_id * pitch[s]           -> |width[s]|
     pool    arena + page_offset_of_block + page_offset[s]    -> |width[s]|
 
-The byte-moving kernel (kvseal/engine/_rows.c) and the CUDA runtime's batched copy both take such rows.
+The byte-moving kernel (kvseal/copy/_rows.c) and the CUDA runtime's batched copy both take such rows.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The byte-moving kernel (kvseal/engine/_rows.c), when `pip install` built it, and which copy path runs.
+"""The byte-moving kernel (kvseal/copy/_rows.c), when `pip install` built it, and which copy path runs.
 
 KVSEAL_COPY=numpy in the environment makes the engine copy with numpy even when the kernel is built (to compare
 the two, or to rule the kernel out)."""
@@ -10,7 +10,7 @@ import os
 import numpy as np
 
 try:
-    from kvseal.engine import _rows as kernel
+    from kvseal.copy import _rows as kernel
 except ImportError:  # not built: numpy copies
     kernel = None  # type: ignore[assignment]
 
