@@ -386,8 +386,13 @@ def encode_load_ok(outcome: str, loaded: int, reason: str, message: str) -> byte
     return _frame(0, _LOAD_OK.pack(OUTCOMES[outcome], loaded, len(r)) + r + struct.pack("<H", len(m)) + m)
 
 
+MAX_ERROR_BYTES = 4096
+
+
 def encode_error(status: str, message: str) -> bytes:
-    return _frame(STATUS_CODES.get(status, STATUS_CODES["INTERNAL"]), message.encode()[:4096])
+    """An error frame; a message past MAX_ERROR_BYTES is cut at a character boundary (it stays valid UTF-8)."""
+    body = message.encode()[:MAX_ERROR_BYTES].decode(errors="ignore").encode()
+    return _frame(STATUS_CODES.get(status, STATUS_CODES["INTERNAL"]), body)
 
 
 def decode_query_ok(body: bytes) -> tuple[int, int, int, str, bool]:

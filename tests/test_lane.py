@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 from conftest import REPO, EngineProcess, free_port, serve_command
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvseal import lane as fq
@@ -77,6 +77,19 @@ def test_save_and_load_frames_round_trip(worker: tuple[str, int, int], hashes: l
 def test_load_answer_round_trips(outcome: str, loaded: int, reason: str, message: str) -> None:
     body = fq.encode_load_ok(outcome, loaded, reason, message)[5:]
     assert fq.decode_load_ok(body) == (fq.OUTCOMES[outcome], loaded, reason, message)
+
+
+@given(st.text(min_size=0, max_size=3000))
+@example("a" + "é" * 3000)  # 6001 bytes: byte 4096 is the first half of an é
+def test_an_error_message_is_cut_at_a_character_boundary(message: str) -> None:
+    """A long message (client values in it are quoted short, but a message may still be long) is cut to
+    MAX_ERROR_BYTES without splitting a character: the client always decodes it."""
+    frame = fq.encode_error("INVALID_ARGUMENT", message)
+    body = frame[fq._HEADER.size :]
+    assert len(body) <= fq.MAX_ERROR_BYTES
+    text = body.decode()  # never a UnicodeDecodeError
+    assert message.startswith(text)
+    assert fq.MAX_ERROR_BYTES - len(body) < 4 if len(message.encode()) > fq.MAX_ERROR_BYTES else text == message
 
 
 @given(st.text(min_size=1, max_size=40), SAME_LENGTH_HASHES, st.integers(0, U32))

@@ -286,3 +286,28 @@ def test_strangers_sending_hellos_and_half_hellos_never_keep_a_known_node_out(
     finally:
         stranger.close()
     assert a.metric("kvseal_peer_refusals_total", side="serve", reason="busy") is None
+
+
+def test_a_pooled_connection_the_server_closed_is_not_reused(port_server: Callable[..., PeerServer]) -> None:
+    """The serving node closes idle connections (its idle timeout, or for a newcomer at its cap): the fetcher's next
+    fetch opens a new one instead of failing on the closed one (which would also put a good holder last)."""
+    from kvseal.peer.client import PeerFetcher
+
+    server = port_server(max_connections=1)
+    fetcher = PeerFetcher("127.0.0.1:1", "known", TcpDataPlane(), timeout_s=5.0)
+    address = f"127.0.0.1:{server.port}"
+    try:
+        first = fetcher._connection(address, time.monotonic() + 5)
+        first.sock.settimeout(5.0)  # as a fetch leaves it: a socket with a timeout
+        fetcher._put_back(address, first)
+        assert fetcher._connection(address, time.monotonic() + 5) is first  # open: reused, at once
+        fetcher._put_back(address, first)
+        other, code = handshake(server.port)  # at the cap of 1: the server closes the idle one for it
+        assert code == wire.OK
+        wait_until(lambda: server.counters.refusals["idle_closed"] == 1, 5, "the idle connection to be closed")
+        fresh = fetcher._connection(address, time.monotonic() + 5)
+        assert fresh is not first and first.sock.fileno() == -1
+        fresh.sock.close()
+        other.close()
+    finally:
+        fetcher.close()

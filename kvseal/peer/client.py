@@ -307,10 +307,18 @@ class PeerFetcher:
         conn.sock.close()
 
     def _connection(self, address: str, deadline: float) -> _Connection:
-        with self._lock:
-            idle = self._idle.get(address)
-            if idle:
-                return idle.pop()
+        """A pooled connection to `address` that is still open, else a new one (connected and authenticated). The
+        serving node closes idle connections (after its idle timeout, or for a newcomer at its cap): reusing one
+        would fail the fetch and put a good holder last."""
+        while True:
+            with self._lock:
+                idle = self._idle.get(address)
+                conn = idle.pop() if idle else None
+            if conn is None:
+                break
+            if _still_open(conn.sock):
+                return conn
+            conn.sock.close()
         host, _, port = address.rpartition(":")
         host = host.strip("[]")
         if self.token is None and not is_loopback(f"[{host}]:{port}"):
@@ -350,6 +358,23 @@ class PeerFetcher:
         if ready[0] != wire.OK:
             raise PeerRefused(wire.refusal_reason(ready[0]), message)
         return offer
+
+
+def _still_open(sock: socket.socket) -> bool:
+    """Whether an idle connection can carry a fetch: nothing to read. A closed one reads EOF, and a serving node says
+    nothing unasked, so a byte means the stream is out of step. (Non-blocking for the check: a socket with a
+    timeout would wait for readiness first.)"""
+    timeout = sock.gettimeout()
+    sock.settimeout(0.0)
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.settimeout(timeout)
+    return False
 
 
 def _failure_reason(e: OSError) -> str:
