@@ -8,42 +8,26 @@ import grp
 import logging
 import math
 import os
-import re
 import signal
 import sys
 from typing import TYPE_CHECKING, NoReturn
 
 import kvseal
+from kvseal import units
 from kvseal.auth import is_loopback
-from kvseal.server.config import ConfigError, ServeConfig, check_config, format_size
+from kvseal.server.config import ConfigError, ServeConfig, check_config
+from kvseal.units import format_size
 
 if TYPE_CHECKING:
     from kvseal.router import RouterConfig
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "tb": 10**12,
-}
-
 
 def parse_size(text: str) -> int:
-    """'1GiB', '512MiB', '64m', '1073741824' -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 1GiB, 512MiB or 1048576")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """A size flag's value in bytes, or the usage error naming it (kvseal.units.parse_size)."""
+    try:
+        return units.parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class _Parser(argparse.ArgumentParser):

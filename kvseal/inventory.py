@@ -11,7 +11,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from kvseal.server.config import format_size
+from kvseal.units import format_size
 
 _COLUMNS = (
     ("namespace", "NAMESPACE"),

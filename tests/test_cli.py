@@ -18,7 +18,8 @@ from conftest import REPO, EngineProcess, free_port, wait_until
 
 from kvseal import cli
 from kvseal.client import EngineClient
-from kvseal.server.config import format_size, physical_memory
+from kvseal.server.config import physical_memory
+from kvseal.units import format_size
 
 
 def _serve(
@@ -423,3 +424,20 @@ def test_readme_flag_table_is_the_help() -> None:
     assert sorted(readme) == sorted(help_flags)
     shown = {flag: default for flag, default in help_flags.items() if default is not None}
     assert {flag: readme[flag] for flag in shown} == shown
+
+
+def test_sizes_read_as_written_and_written_as_read() -> None:
+    from kvseal.units import parse_size
+
+    assert [parse_size(t) for t in ("1GiB", "512MiB", " 64m ", "1073741824", "1.5k", "2tb")] == [
+        1 << 30,
+        512 << 20,
+        64 << 20,
+        1 << 30,
+        1536,
+        2 * 10**12,
+    ]
+    for n in (0, 1000, 3 << 10, 7 << 20, 3 << 30, 2 << 40):
+        assert parse_size(format_size(n)) == n
+    with pytest.raises(ValueError, match=r"^'1 parsec' is not a size such as 1GiB"):
+        parse_size("1 parsec")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from kvseal.auth import is_loopback
 from kvseal.core.store import PAGE_ALIGN
+from kvseal.units import format_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,14 +51,6 @@ def _is_wildcard(address: str) -> bool:
         return ipaddress.ip_address(host).is_unspecified
     except ValueError:
         return False
-
-
-def format_size(n: int) -> str:
-    """1073741824 -> '1 GiB', 25052033024 -> '23.3 GiB'."""
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f}".removesuffix(".0") + f" {unit}"
-    return f"{n} bytes"
 
 
 def physical_memory() -> int:
