@@ -8,6 +8,7 @@ import re
 _UNITS = {
     "": 1,
     "b": 1,
+    "bytes": 1,  # as format_size writes a size under 1 KiB
     "k": 1 << 10,
     "kib": 1 << 10,
     "m": 1 << 20,
