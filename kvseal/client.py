@@ -7,7 +7,7 @@
     q = client.query("i0", hashes)
     client.load(("i0", 0, 0), hashes[:q.hits], block_ids[:q.hits], lease_id=q.lease_id)
 
-A worker's calls go over the engine's local lane (kvseal.lane), a unix socket whose path the `Info` RPC names:
+A worker's calls go over the engine's local lane (kvseal.wire.lane), a unix socket whose path the `Info` RPC names:
 the KV memory travels there as file descriptors, and the lane connection is the worker's session — what this client
 registered lives exactly as long as that connection (`session_alive()`; closing the client ends it). Queries and
 releases fall back to gRPC when the lane cannot carry them. The lane's server must run as root, as this process's
@@ -33,11 +33,11 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvseal import lane as ln
 from kvseal.errors import DeadlineExceeded, KvsealError, PermissionDenied, Unavailable, error_for_status
 from kvseal.memfd import SharedArray, SharedRegion, share_storage
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
+from kvseal.wire import lane as ln
 
 WorkerKey = tuple[str, int, int]
 
@@ -203,7 +203,7 @@ class EngineClient:
 
 
 class _Lane:
-    """One connection to the engine's local lane (kvseal.lane): the session of what it registers. `call` returns
+    """One connection to the engine's local lane (kvseal.wire.lane): the session of what it registers. `call` returns
     the OK body or raises the engine's error; a connection that failed (deadline, engine gone) is closed and marked
     broken, and every registration it carried is gone with it."""
 

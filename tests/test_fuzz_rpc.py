@@ -40,13 +40,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvseal import lane as fq
 from kvseal.client import EngineClient, layer_from_array
 from kvseal.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvseal.limits import MAX_BLOCKS_PER_REQUEST, MAX_LAYERS
 from kvseal.memfd import SharedArray, new_memfd
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
+from kvseal.wire import lane as fq
 
 pytestmark = pytest.mark.process
 

@@ -6,7 +6,7 @@ e.g. under /root); the functions named `attack_*` below are what that process ru
 what the test asserts on. Those tests need root (CI runs as root) and fail otherwise.
 
 Workers here are mostly in-process `Tenant`s (one layer of sealed memfd memory, registered over their own lane
-connection, i.e. their own session) or raw lane connections speaking kvseal.lane frames; one test uses a
+connection, i.e. their own session) or raw lane connections speaking kvseal.wire.lane frames; one test uses a
 tests/workers.py Worker process holding torch KV.
 """
 
@@ -42,12 +42,12 @@ import pytest
 from conftest import REPO, EngineProcess, Meta, http_get, save_blocks, wait_until
 from workers import KV_SHAPE, Worker, attn_layers
 
-from kvseal import lane as ln
 from kvseal.client import EngineClient, layer_from_array
 from kvseal.errors import DeadlineExceeded, InvalidArgument, KvsealError, PermissionDenied, Unavailable
 from kvseal.memfd import SharedArray, new_memfd
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
+from kvseal.wire import lane as ln
 
 pytestmark = pytest.mark.process
 

@@ -1,4 +1,4 @@
-"""The local lane (kvseal.lane): its codec on any bytes, the frame assembler under any chunking, the wire-level
+"""The local lane (kvseal.wire.lane): its codec on any bytes, the frame assembler under any chunking, the wire-level
 layer count of a registration, and a real engine serving the lane beside gRPC."""
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from conftest import REPO, EngineProcess, free_port, serve_command
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kvseal import lane as fq
 from kvseal.client import layer_from_array
 from kvseal.errors import InvalidArgument, NotFound
 from kvseal.limits import MAX_LAYERS, MAX_REGISTER_BYTES
 from kvseal.memfd import SharedArray
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
+from kvseal.wire import lane as fq
 
 HASHES = [bytes([i]) * 32 for i in range(8)]
 U32, U64 = 2**32 - 1, 2**64 - 1

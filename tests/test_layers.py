@@ -14,7 +14,7 @@ KVSEAL = Path(__file__).resolve().parent.parent / "kvseal"
 FLOORS: list[tuple[str, ...]] = [
     ("kvseal", "kvseal.errors", "kvseal.limits", "kvseal.memfd", "kvseal.proto", "kvseal.auth", "kvseal.units"),
     ("kvseal.core",),  # pure: layout, seal, store
-    ("kvseal.lane", "kvseal.copy"),  # the lane's sans-I/O codec; byte movers
+    ("kvseal.wire", "kvseal.copy"),  # sans-I/O codecs (the lane's, the peer protocol's); byte movers
     ("kvseal.ssd",),
     ("kvseal.engine",),
     ("kvseal.peer", "kvseal.meta"),  # other nodes: fetch, serve, the MetaServer and its announcer

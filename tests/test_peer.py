@@ -21,9 +21,9 @@ from conftest import EngineProcess, Meta, free_port, wait_until
 
 from kvseal.client import EngineClient, layer_from_array
 from kvseal.memfd import SharedArray
-from kvseal.peer import wire
 from kvseal.peer.client import PeerFetcher
 from kvseal.peer.tcp import TcpDataPlane
+from kvseal.wire import peer as wire
 
 pytestmark = pytest.mark.process
 

@@ -18,9 +18,9 @@ import pytest
 from conftest import EngineProcess, Meta, wait_until
 from test_peer import Worker, announced, hashes, node, workers  # noqa: F401 (workers: a fixture)
 
-from kvseal.peer import wire
 from kvseal.peer.server import PeerServer
 from kvseal.peer.tcp import TcpDataPlane
+from kvseal.wire import peer as wire
 
 STRANGERS = 2000
 

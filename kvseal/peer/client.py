@@ -31,10 +31,10 @@ import grpc
 
 from kvseal.auth import is_loopback, local_uid_allowed, tcp_peer_uid
 from kvseal.core.layout import Layout
-from kvseal.peer import wire
 from kvseal.peer.tcp import checksums, recv_exact, recv_frame
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
+from kvseal.wire import peer as wire
 
 log = logging.getLogger("kvseal.peer")
 CHUNK_BYTES = 64 << 20  # pages pinned on the serving node per fetch frame

@@ -30,8 +30,8 @@ from typing import Any
 from kvseal.auth import local_uid_allowed, tcp_peer_uid
 from kvseal.engine.engine import Engine
 from kvseal.errors import InvalidArgument
-from kvseal.peer import wire
 from kvseal.peer.tcp import checksums, recv_exact, recv_frame
+from kvseal.wire import peer as wire
 
 log = logging.getLogger("kvseal.peer")
 HANDSHAKE_TIMEOUT_S = 2.0  # from accept to READY: a node on the network needs a few round trips

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from kvseal.peer.wire import ProtocolError
+from kvseal.wire.peer import ProtocolError
 
 IOV_MAX = 1024  # buffers one sendmsg / recvmsg_into takes (Linux's UIO_MAXIOV)
 

@@ -1,11 +1,11 @@
-"""Serves the local lane (kvseal.lane) on a unix socket: every call a worker makes, one session per connection.
+"""Serves the local lane (kvseal.wire.lane) on a unix socket: every call a worker makes, one session per connection.
 
 Theory of operation. A small pool of threads shares one epoll set. Every connection is registered with
 EPOLLONESHOT, so a ready connection wakes exactly one thread, which reads what has arrived without blocking,
 answers every complete frame, and re-arms the connection; the thread that woke is the one that answers (one
 wake-up per request, as with a thread per connection), but an idle connection costs no thread, so thousands of
 workers' sessions cost a file descriptor and a few hundred bytes each. Frames are assembled incrementally against
-their op's limit (kvseal.lane.FrameBuffer): a header announcing 64 MiB allocates nothing.
+their op's limit (kvseal.wire.lane.FrameBuffer): a header announcing 64 MiB allocates nothing.
 
 Limits: at most `max_connections` connections. A connection that holds no registration and stays silent past
 `idle_timeout_s` is closed; when the cap is reached or accept fails for lack of file descriptors (EMFILE), the
@@ -32,7 +32,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvseal import lane
 from kvseal.core.layout import MAX_NAME_CHARS, LayerGeometry, LayerRegistration, WorkerRegistration, normalize_dtype
 from kvseal.engine.engine import Engine, InstanceStatus, Peer, Session
 from kvseal.engine.memory import CudaSpec, ShmSpec
@@ -40,6 +39,7 @@ from kvseal.errors import InvalidArgument, KvsealError, Unauthenticated
 from kvseal.limits import MAX_CUDA_HANDLE_BYTES, MAX_INSTANCE_ID_CHARS, MAX_STRIDES, check_length
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.server.metrics import Metrics
+from kvseal.wire import lane
 
 log = logging.getLogger("kvseal.server")
 _READ_CHUNK = 1 << 20

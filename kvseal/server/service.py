@@ -1,5 +1,5 @@
 """The gRPC service: decode, call the engine, encode. kvseal errors become gRPC statuses here (the lane answers
-with the same status codes, kvseal.lane)."""
+with the same status codes, kvseal.wire.lane)."""
 
 from __future__ import annotations
 
