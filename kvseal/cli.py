@@ -553,7 +553,7 @@ def _serve(args: argparse.Namespace) -> int:
     cfg = serve_config(args)
     try:
         check_addresses(cfg)  # before importing grpc, numpy and the engine, most of a failed start's time
-        from kvseal.server.serve import EngineServer
+        from kvseal.server.app import EngineServer
 
         server = EngineServer(cfg)
         server.start()

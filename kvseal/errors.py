@@ -1,5 +1,5 @@
 """The error hierarchy. Each class carries the gRPC status it maps to; the mapping happens in one place
-(kvseal.server.service). Messages name the field at fault and, where there is one, the fix.
+(kvseal.server.grpc_service). Messages name the field at fault and, where there is one, the fix.
 
 Expected outcomes (a miss, a refused load, a full pool) are values, not exceptions.
 """

@@ -131,7 +131,7 @@ def test_edge_values_are_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_serve_config_gets_every_flag(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvseal.server.serve import ServeConfig
+    from kvseal.server.app import ServeConfig
 
     fields = {f.name for f in dataclasses.fields(ServeConfig)}
     new = {"lane_group", "lane_max_connections", "lane_idle_timeout_s"}

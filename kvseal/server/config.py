@@ -34,7 +34,7 @@ class ServeConfig:
     ssd_segment_bytes: int = 256 << 20
     ssd_recovery: str = "scan"
     metaserver: str = ""  # HOST:PORT of the MetaServer to announce this node's blocks to ('' = none)
-    node_id: str = ""  # this node's name there (default: HOSTNAME:PORT of listen, kvseal.server.serve.default_node_id)
+    node_id: str = ""  # this node's name there (default: HOSTNAME:PORT of listen, kvseal.server.app.default_node_id)
     advertise: str = ""  # where peers reach this node (default: the peer listen address)
     peer_listen: str = ""  # HOST:PORT serving other nodes' fetches (default with a MetaServer: 127.0.0.1, any port)
     peer_transport: str = "tcp"  # tcp | mooncake

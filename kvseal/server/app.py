@@ -23,10 +23,10 @@ from kvseal.limits import raise_open_file_limit
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
 from kvseal.server.addresses import StartError, bind_failure, check_addresses, check_unix, lane_socket_path, unix_path
 from kvseal.server.config import ServeConfig, check_config, mapped_per_uid_cap
+from kvseal.server.grpc_service import EngineService
 from kvseal.server.http import HttpServer
-from kvseal.server.lane import LaneServer
+from kvseal.server.lane_server import LaneServer
 from kvseal.server.metrics import Metrics
-from kvseal.server.service import EngineService
 from kvseal.ssd.device import FileDevice, TierDirectoryError
 from kvseal.ssd.tier import DiskTier
 from kvseal.units import format_size

@@ -24,7 +24,7 @@ from kvseal.limits import (
 )
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
-from kvseal.server.lane import bounded, encode_status
+from kvseal.server.lane_server import bounded, encode_status
 from kvseal.server.metrics import Metrics
 
 log = logging.getLogger("kvseal.server")
