@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import grp
 import logging
 import math
 import os
 import signal
 import sys
+import threading
 from typing import TYPE_CHECKING, NoReturn
 
 import kvseal
@@ -551,6 +553,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = serve_config(args)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack on stderr
+    # SIGTERM from the moment the engine may serve: a client that saw it ready may stop it at once
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         check_addresses(cfg)  # before importing grpc, numpy and the engine, most of a failed start's time
         from kvseal.server.app import EngineServer
@@ -561,8 +567,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvseal serve: error: {e}", file=sys.stderr)
         return 1
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file size limit fails the SSD write (EFBIG), not the engine
-    signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
-    signal.signal(signal.SIGINT, lambda *_: server.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     pool = server.pool_bytes
     print(
         f"kvseal engine serving gRPC on {server.grpc_address}, HTTP on {server.http_address or 'nothing (off)'}, "
@@ -570,7 +575,7 @@ def _serve(args: argparse.Namespace) -> int:
         + (f", SSD {', '.join(cfg.ssd_paths)} ({format_size(cfg.ssd_capacity_bytes)} each)" if cfg.ssd_paths else ""),
         flush=True,
     )
-    server.wait()
+    stop.wait()
     server.stop()
     return 0
 

@@ -120,6 +120,8 @@ def test_a_worker_registering_the_instant_the_engine_says_ready_always_succeeds(
             try:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGUSR1)  # the engine writes every thread's stack to its stderr
+                time.sleep(1.0)  # for faulthandler to write it
                 proc.kill()
                 proc.wait()
         shared.close()
