@@ -33,7 +33,15 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvseal.errors import DeadlineExceeded, KvsealError, PermissionDenied, Unavailable, error_for_status
+from kvseal.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    KvsealError,
+    PermissionDenied,
+    Unavailable,
+    error_for_code,
+    error_for_status,
+)
 from kvseal.memfd import SharedArray, SharedRegion, share_storage
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
@@ -88,7 +96,7 @@ class EngineClient:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            raise error_for_status("UNAVAILABLE", f"engine at {self.target} not reachable in {timeout}s") from None
+            raise Unavailable(f"engine at {self.target} not reachable in {timeout}s") from None
 
     def _call(self, method: str, request: Any) -> Any:
         try:
@@ -268,7 +276,7 @@ class _Lane:
                 raise Unavailable(f"the engine's lane {self.path!r} failed: {e}") from None
         code, body = reply
         if code != 0:
-            raise error_for_status(ln.STATUS_NAMES.get(code, "INTERNAL"), body.decode(errors="replace"))
+            raise error_for_code(code, body.decode(errors="replace"))
         return body
 
     def close(self) -> None:
@@ -298,7 +306,7 @@ def _encode(encode: Callable[..., bytes], *args: Any) -> bytes:
     try:
         return encode(*args)
     except ln.Unframeable as e:  # Save and Load exist on the lane only
-        raise error_for_status("INVALID_ARGUMENT", str(e)) from None
+        raise InvalidArgument(str(e)) from None
 
 
 def _fds_as_indexes(request: pb.RegisterRequest) -> tuple[pb.RegisterRequest, list[int]]:
@@ -313,7 +321,7 @@ def _fds_as_indexes(request: pb.RegisterRequest) -> tuple[pb.RegisterRequest, li
                 fds.append(fd)
             layer.memory.shm.fd = fds.index(fd)
     if len(fds) > ln.MAX_FDS:
-        raise error_for_status("INVALID_ARGUMENT", f"layers use {len(fds)} separate memfds; at most {ln.MAX_FDS}")
+        raise InvalidArgument(f"layers use {len(fds)} separate memfds; at most {ln.MAX_FDS}")
     return wire, fds
 
 

@@ -12,7 +12,7 @@ KVSEAL = Path(__file__).resolve().parent.parent / "kvseal"
 
 # bottom to top; a module belongs to the longest prefix named here ("kvseal" itself, its version, names only itself)
 FLOORS: list[tuple[str, ...]] = [
-    ("kvseal", "kvseal.errors", "kvseal.limits", "kvseal.memfd", "kvseal.proto", "kvseal.auth", "kvseal.units"),
+    ("kvseal", "kvseal.errors", "kvseal.limits", "kvseal.memfd", "kvseal.proto", "kvseal.auth", "kvseal.units", "kvseal.rpc"),
     ("kvseal.core",),  # pure: layout, seal, store
     ("kvseal.wire", "kvseal.copy"),  # sans-I/O codecs (the lane's, the peer protocol's); byte movers
     ("kvseal.ssd",),

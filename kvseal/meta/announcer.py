@@ -25,6 +25,15 @@ from typing import Any
 import grpc
 
 from kvseal.engine.engine import Engine
+from kvseal.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    KvsealError,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    error_for_status,
+)
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
 
@@ -36,7 +45,7 @@ CLAIM_WAIT_S = 30.0  # at most, for a node id's previous session to go stale at 
 CLAIM_POLL_S = 0.25
 
 
-class ClaimRefused(Exception):
+class ClaimRefused(FailedPrecondition):
     """The MetaServer will not take this node at start: its node id is held live by another session, or the
     MetaServer refuses this engine (its user, its token). The message is one line saying what to do."""
 
@@ -84,12 +93,12 @@ class Announcer:
             try:
                 self._heartbeat(time.monotonic())
                 return
-            except grpc.RpcError as e:
-                code = e.code()
-                if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
-                    raise ClaimRefused(f"the MetaServer {self._target} refuses this engine: {e.details()}") from None
-                if code != grpc.StatusCode.ALREADY_EXISTS:
-                    return
+            except (PermissionDenied, Unauthenticated) as e:
+                raise ClaimRefused(f"the MetaServer {self._target} refuses this engine: {e}") from None
+            except AlreadyExists:
+                pass  # held: wait below for the holder to go stale
+            except KvsealError:
+                return
             now = time.monotonic()
             holder = self._holder()
             if deadline is None:
@@ -115,7 +124,7 @@ class Announcer:
         or no answer)."""
         try:
             nodes = self._call("ListNodes", pb.ListNodesRequest()).nodes
-        except grpc.RpcError:
+        except KvsealError:
             return None
         return next(((n.address, n.expires_in_ms / 1000) for n in nodes if n.node_id == self.node_id), None)
 
@@ -133,7 +142,7 @@ class Announcer:
         self._thread.join(timeout=10)
         try:
             self._call("Unregister", pb.UnregisterNodeRequest(node_id=self.node_id, session=self.session))
-        except grpc.RpcError:
+        except KvsealError:
             pass
         self._channel.close()
 
@@ -142,8 +151,12 @@ class Announcer:
         return len(self._pending)
 
     def _call(self, method: str, request: object) -> Any:
+        """The MetaServer's answer; its errors raised as kvseal.errors' classes."""
         self._calling = method
-        return getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise error_for_status(e.code().name, e.details() or "") from None
 
     def _run(self) -> None:
         while not self._stop.wait(TICK_S):
@@ -168,28 +181,27 @@ class Announcer:
                     log.warning("MetaServer %s is back", self._target)
                     self._down = False
                 self._backoff = 0.5
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # it does not know our session: start over
-                    self._next_beat = 0.0
-                    self._backfill = True
-                    continue
-                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and self._calling == "Announce":
+            except FailedPrecondition:  # it does not know our session: start over
+                self._next_beat = 0.0
+                self._backfill = True
+            except KvsealError as e:
+                if isinstance(e, ResourceExhausted) and self._calling == "Announce":
                     if not self._full:
                         log.warning(
                             "MetaServer %s takes no more of this node's blocks (%s): those are not offered to other "
                             "nodes",
                             self._target,
-                            e.details(),
+                            e,
                         )
                         self._full = True
                     self._pending = {b: resident for b, resident in self._pending.items() if not resident}
                     self._backfill = False
                     continue
                 if not self._down:
-                    if e.code() in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.PERMISSION_DENIED):
-                        log.error("MetaServer %s refuses this node: %s: retrying", self._target, e.details())
+                    if isinstance(e, AlreadyExists | PermissionDenied):
+                        log.error("MetaServer %s refuses this node: %s: retrying", self._target, e)
                     else:
-                        log.warning("MetaServer %s unavailable (%s): retrying", self._target, e.code().name)
+                        log.warning("MetaServer %s unavailable (%s): retrying", self._target, e.status)
                     self._down = True
                 self._retry_at = now + self._backoff
                 self._backoff = min(self._backoff * 2, 10.0)
@@ -221,7 +233,7 @@ class Announcer:
                 blocks = [b for b, resident in pending.items() if resident is want]
                 for i in range(0, len(blocks), BATCH):
                     self._send(method, blocks[i : i + BATCH])
-        except grpc.RpcError:
+        except KvsealError:
             pending.update(self._pending)
             self._pending = pending  # resend it all: announcing twice is harmless
             raise

@@ -44,7 +44,6 @@ from kvseal.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
-    KvsealError,
     PermissionDenied,
     ResourceExhausted,
     Unavailable,
@@ -61,6 +60,7 @@ from kvseal.limits import (
 from kvseal.meta.store import Block, MemoryStore, MetaStore, NodeHeld, NodeHit, StoreFull
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
+from kvseal.rpc import handler
 
 log = logging.getLogger("kvseal.metaserver")
 _ID_RE = re.compile(r"^[A-Za-z0-9._:@+=/-]+$")  # lengths are checked first
@@ -159,30 +159,20 @@ class FairLock:
 
 
 def _rpc(method: F) -> F:
-    name = method.__name__
+    """kvseal.rpc.handler, after the caller is checked; the store's health is noted from how the call went: a
+    ConnectionError is the store being down (RedisStore raises StoreUnavailable, one), not the request."""
 
+    @handler
     @functools.wraps(method)
     def wrapper(self: MetaService, request: Any, context: grpc.ServicerContext) -> Any:
-        start = time.perf_counter()
-        code = "OK"
+        self._check_caller(context)
         try:
-            self._check_caller(context)
             answer = method(self, request, context)
-            self.store_reached()
-            return answer
-        except KvsealError as e:
-            code = e.status
-            context.abort(getattr(grpc.StatusCode, e.status), str(e))
-        except ConnectionError as e:  # RedisStore raises StoreUnavailable, one: the store is down, not the request
-            code = "UNAVAILABLE"
+        except ConnectionError as e:
             self.store_failed(e)
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"the MetaServer's store is unreachable: {_reason(e)}")
-        except Exception as e:
-            code = "INTERNAL"
-            log.exception("%s failed", name)
-            context.abort(grpc.StatusCode.INTERNAL, f"{name} failed inside the MetaServer: {type(e).__name__}: {e}")
-        finally:
-            self.rpc_seconds.labels(name, code).observe(time.perf_counter() - start)
+            raise Unavailable(f"the MetaServer's store is unreachable: {_reason(e)}") from None
+        self.store_reached()
+        return answer
 
     return wrapper  # type: ignore[return-value]
 
@@ -223,6 +213,8 @@ def _check_namespace(field: str, namespace: str) -> None:
 
 
 class MetaService(pb_grpc.MetaServerServicer):
+    rpc_where = "the MetaServer"
+
     def __init__(self, cfg: MetaConfig, store: MetaStore, clock: Callable[[], float], registry: CollectorRegistry):
         self.cfg = cfg
         self.store = store
@@ -254,6 +246,9 @@ class MetaService(pb_grpc.MetaServerServicer):
         self._store_lock = threading.Lock()
 
     # ---------------------------------------------------------------- who calls, and the store's health
+
+    def observe_rpc(self, method: str, status: str, seconds: float) -> None:
+        self.rpc_seconds.labels(method, status).observe(seconds)
 
     def _check_caller(self, context: grpc.ServicerContext) -> None:
         if self.trusted:

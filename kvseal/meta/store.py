@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Protocol
 
+from kvseal.errors import AlreadyExists, ResourceExhausted
+
 Block = tuple[str, bytes]  # (namespace_final, block hash)
 
 
@@ -51,7 +53,7 @@ class NodeInfo:
     blocks: int
 
 
-class NodeHeld(Exception):
+class NodeHeld(AlreadyExists):
     """The node id is held by another session, live at `address` until `expires` unless it heartbeats again."""
 
     def __init__(self, node_id: str, address: str, expires: float) -> None:
@@ -61,7 +63,7 @@ class NodeHeld(Exception):
         self.expires = expires
 
 
-class StoreFull(Exception):
+class StoreFull(ResourceExhausted):
     """A cap would be passed: `cap` is 'nodes', 'blocks_per_node' or 'blocks'; `limit` its value."""
 
     def __init__(self, cap: str, limit: int) -> None:

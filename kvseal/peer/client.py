@@ -31,6 +31,7 @@ import grpc
 
 from kvseal.auth import is_loopback, local_uid_allowed, tcp_peer_uid
 from kvseal.core.layout import Layout
+from kvseal.errors import FailedPrecondition
 from kvseal.peer.tcp import checksums, recv_exact, recv_frame
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
@@ -45,7 +46,7 @@ ALTERNATES_KEPT = 1024  # lookups whose other holders are kept for their fetch
 FAILED_HOLDER_S = 10.0  # a holder that refused or failed a fetch is tried after the others for this long
 
 
-class PeerRefused(Exception):
+class PeerRefused(FailedPrecondition):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason

@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from kvseal.errors import Unavailable
+
 PACKAGE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 INSTALL_PACKAGE = f"pip install '{PACKAGE}' (or pip install 'kvseal[mooncake]')"
 INSTALL_VERBS = "apt-get install libibverbs1 (Debian's libibverbs.so.1, which Mooncake links against)"
@@ -59,11 +61,11 @@ _ENV_DEFAULTS = {"MC_LOG_LEVEL": "ERROR", "MC_TCP_PROGRESS_TIMEOUT_SEC": "10", "
 _CLOSE_WAIT_S = 15.0
 
 
-class MooncakeUnavailable(RuntimeError):
+class MooncakeUnavailable(Unavailable, RuntimeError):
     """Mooncake cannot run here: the package or libibverbs1 is missing, or its engine would not start."""
 
 
-class TransferFailed(OSError):
+class TransferFailed(Unavailable, OSError):
     """A Mooncake read failed or did not finish within its timeout.
 
     `pending` is True when the library call is still running (the receive timed out): until it ends, which

@@ -35,6 +35,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvseal.errors import DeadlineExceeded, KvsealError, Unavailable, error_for_status
 from kvseal.limits import MAX_BLOCKS_PER_REQUEST, raise_open_file_limit
 from kvseal.router.config import FDS_PER_REQUEST, RouterConfig, default_max_requests
 from kvseal.router.legs import (
@@ -60,13 +61,14 @@ METASERVER_TIMEOUT_S = 0.5
 METASERVER_QUIET_S = 2.0  # after the MetaServer failed a lookup, decode picks use the policy alone for this long
 
 
-class RouterError(Exception):
+class RouterError(KvsealError):
     """An answer the router gives itself (a bad request, an incompatible pair, a leg without a usable answer): the
-    client gets `status` with an OpenAI-style error body."""
+    client gets HTTP status `http` (a gateway's own codes: 502, 504, 413 ...) with an OpenAI-style error body of
+    type `kind`."""
 
-    def __init__(self, status: int, kind: str, message: str) -> None:
+    def __init__(self, http: int, kind: str, message: str) -> None:
         super().__init__(message)
-        self.status, self.kind, self.message = status, kind, message
+        self.http, self.kind, self.message = http, kind, message
 
 
 class PrefixLookup:
@@ -97,9 +99,10 @@ class PrefixLookup:
         try:
             return await loop.run_in_executor(None, self._query, namespace_final, hashes[:MAX_BLOCKS_PER_REQUEST])
         except self._grpc.RpcError as e:
-            if e.code() in (self._grpc.StatusCode.UNAVAILABLE, self._grpc.StatusCode.DEADLINE_EXCEEDED):
+            error = error_for_status(e.code().name, e.details() or "")
+            if isinstance(error, Unavailable | DeadlineExceeded):
                 self._quiet_until = time.monotonic() + METASERVER_QUIET_S
-            log.warning("MetaServer %s: QueryPrefix failed, picking by policy: %s", self.address, e.details())
+            log.warning("MetaServer %s: QueryPrefix failed, picking by policy: %s", self.address, error)
             return {}
 
     def close(self) -> None:
@@ -179,12 +182,13 @@ class Router:
     def _refuse(self, e: RouterError, rid: str) -> web.StreamResponse:
         """The client's error response for `e`. A 413 or 503 closes the connection: its descriptor is free at once,
         and a body left unread is not waited for."""
-        log.warning("request %s: %d %s", rid, e.status, e.message)
+        status = e.http_status
+        log.warning("request %s: %d %s", rid, status, e.message)
         headers = {REQUEST_ID: rid}
-        if e.status == 503:
+        if status == 503:
             headers["Retry-After"] = "1"
-        response = web.json_response(error_body(e.message, e.kind, e.status), status=e.status, headers=headers)
-        if e.status in (413, 503):
+        response = web.json_response(error_body(e.message, e.kind, status), status=status, headers=headers)
+        if status in (413, 503):
             response.force_close()
         return response
 
@@ -207,7 +211,7 @@ class Router:
                 self._answered(instance, up.status)
         except (aiohttp.ClientError, TimeoutError) as e:
             err = self._failed("decode", instance, e)
-            return web.json_response(error_body(err.message, err.kind, err.status), status=err.status)
+            return web.json_response(error_body(err.message, err.kind, err.http_status), status=err.http_status)
         return web.Response(status=up.status, body=body, headers={CONTENT_TYPE: _content_type(up)})
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
@@ -336,8 +340,8 @@ class Router:
                 except (aiohttp.ClientError, TimeoutError) as e:
                     # the status is sent already: the failure becomes the stream's last event, as vLLM does its own
                     err = self._failed("decode", instance, e)
-                    log.warning("request %s: %d %s", rid, err.status, err.message)
-                    event = json.dumps(error_body(err.message, err.kind, err.status)).encode()
+                    log.warning("request %s: %d %s", rid, err.http_status, err.message)
+                    event = json.dumps(error_body(err.message, err.kind, err.http_status)).encode()
                     separator = b"" if tail.endswith(b"\n\n") else b"\n\n"
                     await out.write(separator + b"data: " + event + b"\n\ndata: [DONE]\n\n")
                     break

@@ -12,12 +12,13 @@ import stat
 import tempfile
 from pathlib import Path
 
+from kvseal.errors import FailedPrecondition
 from kvseal.server.config import ServeConfig
 
 UNIX_PATH_MAX = 107  # sun_path's 108 bytes, less the terminating NUL
 
 
-class StartError(Exception):
+class StartError(FailedPrecondition):
     """This machine refuses what the configuration asks: a taken port, an unusable path, too little memory. The
     message is one line naming the cause and the fix."""
 

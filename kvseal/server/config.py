@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from kvseal.auth import is_loopback
 from kvseal.core.store import PAGE_ALIGN
+from kvseal.errors import InvalidArgument
 from kvseal.units import format_size
 
 
@@ -41,7 +42,7 @@ class ServeConfig:
     peer_timeout_s: float = 10.0
 
 
-class ConfigError(ValueError):
+class ConfigError(InvalidArgument, ValueError):
     """A configuration that cannot run anywhere: a usage error. The message starts with the flag at fault."""
 
 

@@ -1,19 +1,15 @@
-"""The gRPC service: decode, call the engine, encode. kvseal errors become gRPC statuses here (the lane answers
-with the same status codes, kvseal.wire.lane)."""
+"""The gRPC service: decode, call the engine, encode (kvseal.rpc.handler answers errors from kvseal.errors'
+table, as the lane does)."""
 
 from __future__ import annotations
 
-import functools
 import logging
-import time
-from collections.abc import Callable
-from typing import Any, TypeVar
 
 import grpc
 
 from kvseal import __version__, auth
 from kvseal.engine.engine import Engine, Peer
-from kvseal.errors import KvsealError, PermissionDenied, Unavailable
+from kvseal.errors import PermissionDenied, Unavailable
 from kvseal.limits import (
     MAX_BLOCKS_PER_REQUEST,
     MAX_DESCRIPTOR_BYTES,
@@ -24,36 +20,11 @@ from kvseal.limits import (
 )
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
-from kvseal.server.lane_server import bounded, encode_status
+from kvseal.rpc import handler
+from kvseal.server.lane_server import encode_status
 from kvseal.server.metrics import Metrics
 
 log = logging.getLogger("kvseal.server")
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _rpc(method: F) -> F:
-    """Maps kvseal errors to statuses, never lets another exception escape unlogged, and times the call."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    def wrapper(self: EngineService, request: Any, context: grpc.ServicerContext) -> Any:
-        start = time.perf_counter()
-        code = "OK"
-        try:
-            return method(self, request, context)
-        except KvsealError as e:
-            code = e.status
-            context.abort(getattr(grpc.StatusCode, e.status), bounded(str(e)))
-        except Exception as e:  # a bug, not bad input: keep serving, say what broke
-            code = "INTERNAL"
-            log.exception("%s failed", name)
-            context.abort(
-                grpc.StatusCode.INTERNAL, bounded(f"{name} failed inside the engine: {type(e).__name__}: {e}")
-            )
-        finally:
-            self.metrics.observe_rpc(name, code, time.perf_counter() - start)
-
-    return wrapper  # type: ignore[return-value]
 
 
 class EngineService(pb_grpc.EngineServicer):
@@ -61,9 +32,12 @@ class EngineService(pb_grpc.EngineServicer):
     without one, on a unix socket (mode 0600) the engine's user, and over loopback TCP the engine's user and root,
     identified from the kernel's socket table. Info is open: it names the lane, where the kernel names every peer."""
 
+    rpc_where = "the engine"
+
     def __init__(self, engine: Engine, metrics: Metrics, *, token: bool = False, unix: bool = False) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.observe_rpc = metrics.observe_rpc
         self.lane_socket = ""  # set by the server once the local lane listens
         self.port = 0  # set by the server once it listens on TCP
         self.node_id = ""  # set by the server when it has a MetaServer
@@ -81,7 +55,7 @@ class EngineService(pb_grpc.EngineServicer):
             )
         return Peer(uid=uid, privileged=True)
 
-    @_rpc
+    @handler
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         if not self.lane_socket:  # the server listens only once the lane serves: this is a bug, not a race
             raise Unavailable("the engine is starting: its lane does not serve yet; ask again")
@@ -92,13 +66,13 @@ class EngineService(pb_grpc.EngineServicer):
             node_id=self.node_id,
         )
 
-    @_rpc
+    @handler
     def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.InstanceStatus:
         check_length("instance_id", request.instance_id, MAX_INSTANCE_ID_CHARS)
         self._peer(context)
         return encode_status(self.engine.status(request.instance_id))
 
-    @_rpc
+    @handler
     def Query(self, request: pb.QueryRequest, context: grpc.ServicerContext) -> pb.QueryResponse:
         check_length("instance_id", request.instance_id, MAX_INSTANCE_ID_CHARS)
         check_length("request_id", request.request_id, MAX_REQUEST_ID_CHARS)
@@ -114,13 +88,13 @@ class EngineService(pb_grpc.EngineServicer):
             lease_ttl_ms=r.lease_ttl_ms,
         )
 
-    @_rpc
+    @handler
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         check_length("instance_id", request.instance_id, MAX_INSTANCE_ID_CHARS)
         self.engine.release(request.instance_id, request.lease_id, self._peer(context))
         return pb.ReleaseResponse()
 
-    @_rpc
+    @handler
     def Compare(self, request: pb.CompareRequest, context: grpc.ServicerContext) -> pb.CompareResponse:
         check_length("namespace_final", request.namespace_final, MAX_NAMESPACE_FINAL_CHARS)
         check_length("other_namespace_final", request.other_namespace_final, MAX_NAMESPACE_FINAL_CHARS)

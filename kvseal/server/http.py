@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import json
+import logging
 import os
 import socket
 import threading
 import urllib.parse
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -24,9 +26,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvseal.auth import local_uid_allowed, tcp_peer_uid
 from kvseal.engine.engine import Engine
-from kvseal.errors import NotFound, quote
+from kvseal.errors import (
+    InvalidArgument,
+    KvsealError,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+    quote,
+    translate,
+)
 from kvseal.limits import MAX_NAMESPACE_FINAL_CHARS
 from kvseal.server.metrics import Metrics
+
+log = logging.getLogger("kvseal.server")
 
 
 class HttpServer:
@@ -75,9 +88,24 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        path = self.path.split("?", 1)[0]
-        if not self._allowed(path):
-            return
+        self._answer(self._get)
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        self._answer(self._delete)
+
+    def _answer(self, serve: Callable[[str], None]) -> None:
+        """Serves the request; an error answers the status kvseal.errors' table gives it, as JSON {"error": ...}."""
+        path = urllib.parse.urlsplit(self.path).path
+        try:
+            self._check_allowed(path)
+            serve(path)
+        except Exception as e:
+            if not isinstance(e, KvsealError):
+                log.exception("HTTP %s %s failed", self.command, quote(path))
+            status, message = translate(e, f"{self.command} {quote(path)} failed inside the engine")
+            self._send(status.http, "application/json", json.dumps({"error": message}).encode())
+
+    def _get(self, path: str) -> None:
         if path == "/health":
             if self.server.ready.is_set():  # type: ignore[attr-defined]
                 self._send(200, "application/json", b'{"status":"ok"}')
@@ -94,82 +122,66 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/v1/compatibility":
             self._compatibility()
         else:
-            self._error(404, f"no such path {quote(path)}")
+            raise NotFound(f"no such path {quote(path)}")
 
-    def do_DELETE(self) -> None:  # noqa: N802
-        url = urllib.parse.urlsplit(self.path)
-        if not self._allowed(url.path):
-            return
+    def _delete(self, path: str) -> None:
         prefix = "/v1/namespaces/"
-        if not url.path.startswith(prefix) or len(url.path) == len(prefix):
-            self._error(404, f"no such path {quote(url.path)}: DELETE /v1/namespaces/<namespace_final>[?uid=N]")
-            return
-        namespace = urllib.parse.unquote(url.path[len(prefix) :])
+        if not path.startswith(prefix) or len(path) == len(prefix):
+            raise NotFound(f"no such path {quote(path)}: DELETE /v1/namespaces/<namespace_final>[?uid=N]")
+        namespace = urllib.parse.unquote(path[len(prefix) :])
         if len(namespace) > MAX_NAMESPACE_FINAL_CHARS:
-            self._error(400, f"namespace_final has {len(namespace)} characters; at most {MAX_NAMESPACE_FINAL_CHARS}")
-            return
-        uid_arg = urllib.parse.parse_qs(url.query).get("uid", [None])[0]
+            raise InvalidArgument(
+                f"namespace_final has {len(namespace)} characters; at most {MAX_NAMESPACE_FINAL_CHARS}"
+            )
+        uid_arg = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query).get("uid", [None])[0]
         if uid_arg is not None and not uid_arg.isdigit():
-            self._error(400, f"uid must be a number, got {quote(uid_arg)}")
-            return
+            raise InvalidArgument(f"uid must be a number, got {quote(uid_arg)}")
         purged = self.engine.purge(namespace, None if uid_arg is None else int(uid_arg))
         if not purged:
-            self._error(404, f"no namespace {quote(namespace)} in memory or on SSD")
-            return
+            raise NotFound(f"no namespace {quote(namespace)} in memory or on SSD")
         self._json(purged)
 
     def _compatibility(self) -> None:
         query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
         a, b = query.get("a", [""])[0], query.get("b", [""])[0]
         if not a or not b:
-            self._error(400, "name both final namespaces: /v1/compatibility?a=<namespace_final>&b=<namespace_final>")
-            return
+            raise InvalidArgument(
+                "name both final namespaces: /v1/compatibility?a=<namespace_final>&b=<namespace_final>"
+            )
         for name, value in (("a", a), ("b", b)):
             if len(value) > MAX_NAMESPACE_FINAL_CHARS:
-                self._error(400, f"{name} has {len(value)} characters; at most {MAX_NAMESPACE_FINAL_CHARS}")
-                return
-        try:
-            diffs, message = self.engine.compare(a, b)
-        except NotFound as e:
-            self._error(404, str(e))
-            return
+                raise InvalidArgument(f"{name} has {len(value)} characters; at most {MAX_NAMESPACE_FINAL_CHARS}")
+        diffs, message = self.engine.compare(a, b)
         differences = [{"field": d.field, "layer": d.layer, "a": d.left, "b": d.right} for d in diffs]
         self._json({"compatible": not diffs, "message": message, "differences": differences})
 
     def _peers(self) -> None:
         fetcher = self.server.peers  # type: ignore[attr-defined]
         if fetcher is None:
-            self._error(404, "this engine has no MetaServer: start it with --metaserver HOST:PORT")
-            return
+            raise NotFound("this engine has no MetaServer: start it with --metaserver HOST:PORT")
         try:
             nodes = fetcher.nodes()
         except grpc.RpcError as e:
-            self._error(503, f"the MetaServer does not answer: {e.code().name}")
-            return
+            raise Unavailable(f"the MetaServer does not answer: {e.code().name}") from None
         self._json({"node_id": fetcher.node_id, "nodes": nodes})
 
-    def _allowed(self, path: str) -> bool:
-        """Answers 401/403 and returns False when this client may not have `path`."""
-        if path != "/health" and self.token is not None:
+    def _check_allowed(self, path: str) -> None:
+        """Raises Unauthenticated / PermissionDenied when this client may not have `path`."""
+        if path == "/health":
+            return
+        if self.token is not None:
             given = self.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
-                self._send(401, "application/json", b'{"error":"missing or wrong bearer token"}')
-                return False
-        if path != "/health" and self.token is None:
-            uid = self._peer_uid()
-            if not local_uid_allowed(uid):
-                who = "this client's uid could not be found" if uid is None else f"this client is uid {uid}"
-                message = (
-                    f"without a token, {path} is only for the engine's user (uid {os.getuid()}) and root, and {who}: "
-                    "run the client as one of those, or start the engine with --token (or $KVSEAL_TOKEN) and send "
-                    "'Authorization: Bearer <token>'"
-                )
-                self._send(403, "application/json", json.dumps({"error": message}).encode())
-                return False
-        return True
-
-    def _error(self, code: int, message: str) -> None:
-        self._send(code, "application/json", json.dumps({"error": message}).encode())
+                raise Unauthenticated("missing or wrong bearer token")
+            return
+        uid = self._peer_uid()
+        if not local_uid_allowed(uid):
+            who = "this client's uid could not be found" if uid is None else f"this client is uid {uid}"
+            raise PermissionDenied(
+                f"without a token, {path} is only for the engine's user (uid {os.getuid()}) and root, and {who}: "
+                "run the client as one of those, or start the engine with --token (or $KVSEAL_TOKEN) and send "
+                "'Authorization: Bearer <token>'"
+            )
 
     def _peer_uid(self) -> int | None:
         """The uid owning the client's socket of this connection (looked up once: one handler per connection)."""

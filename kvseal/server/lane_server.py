@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from kvseal.core.layout import MAX_NAME_CHARS, LayerGeometry, LayerRegistration, WorkerRegistration, normalize_dtype
 from kvseal.engine.engine import Engine, InstanceStatus, Peer, Session
 from kvseal.engine.memory import CudaSpec, ShmSpec
-from kvseal.errors import InvalidArgument, KvsealError, Unauthenticated
+from kvseal.errors import InvalidArgument, KvsealError, Unauthenticated, translate
 from kvseal.limits import MAX_CUDA_HANDLE_BYTES, MAX_INSTANCE_ID_CHARS, MAX_STRIDES, check_length
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.server.metrics import Metrics
@@ -46,7 +46,6 @@ _READ_CHUNK = 1 << 20
 _SEND_TIMEOUT_S = 10.0  # a peer that does not read its answers for this long is dropped
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _ERROR_LOG_INTERVAL_S = 10.0
-MAX_MESSAGE_CHARS = 1024  # an error message is cut there (gRPC carries it in a trailer, whose size has a hard limit)
 
 
 class _ThreadBuffers(threading.local):
@@ -279,7 +278,8 @@ class LaneServer:
                 try:
                     frame = conn.frames.next_frame()
                 except KvsealError as e:  # an unknown op or an oversized frame: answer, then hang up
-                    _send(conn.sock, lane.encode_error(e.status, str(e)))
+                    status, message = translate(e, "the lane")
+                    _send(conn.sock, lane.encode_error(status.name, message))
                     return False
                 if frame is None:
                     break
@@ -345,13 +345,12 @@ class LaneServer:
             if status.sealed and status.registered == status.world_size:
                 log.info("instance %s sealed: %s", status.instance_id, status.namespace_final)
             return lane.encode_ok(encode_status(status).SerializeToString())
-        except KvsealError as e:
-            code = e.status
-            return lane.encode_error(e.status, bounded(str(e)))
-        except Exception as e:  # a bug, not bad input: answer and keep serving
-            code = "INTERNAL"
-            log.exception("lane %s failed", method)
-            return lane.encode_error("INTERNAL", bounded(f"{method} failed inside the engine: {type(e).__name__}: {e}"))
+        except Exception as e:
+            if not isinstance(e, KvsealError):  # a bug, not bad input: answer and keep serving
+                log.exception("lane %s failed", method)
+            status, message = translate(e, f"{method} failed inside the engine")
+            code = status.name
+            return lane.encode_error(status.name, message)
         finally:
             self.metrics.observe_rpc(f"lane.{method}", code, time.perf_counter() - start)
 
@@ -418,7 +417,7 @@ def decode_registration(body: bytes) -> WorkerRegistration:
     try:
         request.ParseFromString(body)
     except Exception as e:  # protobuf's DecodeError
-        raise InvalidArgument(bounded(f"RegisterRequest does not parse: {e}")) from None
+        raise InvalidArgument(f"RegisterRequest does not parse: {e}") from None
     check_length("instance_id", request.instance_id, MAX_INSTANCE_ID_CHARS)
     check_length("namespace", request.namespace, MAX_NAME_CHARS)
     layers = []
@@ -473,11 +472,6 @@ def decode_registration(body: bytes) -> WorkerRegistration:
         block_size=request.block_size,
         layers=tuple(layers),
     )
-
-
-def bounded(message: str) -> str:
-    """`message` cut to MAX_MESSAGE_CHARS (client values in it are quoted already: kvseal.errors.quote)."""
-    return message if len(message) <= MAX_MESSAGE_CHARS else message[:MAX_MESSAGE_CHARS] + "…"
 
 
 def encode_status(s: InstanceStatus) -> pb.InstanceStatus:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvseal.errors import InvalidArgument
+from kvseal.errors import STATUSES, InvalidArgument
 from kvseal.limits import (
     MAX_BLOCKS_PER_REQUEST,
     MAX_HASH_BYTES,
@@ -78,18 +78,7 @@ FRAME_LIMITS = {  # bytes of body per op: a header announcing more is refused be
 }
 MAX_FRAME = max(FRAME_LIMITS.values())
 MAX_FDS = 253  # SCM_MAX_FD: descriptors one Register may carry (one per separate KV allocation)
-STATUS_CODES = {  # grpc.StatusCode values, without importing grpc
-    "OK": 0,
-    "INVALID_ARGUMENT": 3,
-    "DEADLINE_EXCEEDED": 4,
-    "NOT_FOUND": 5,
-    "PERMISSION_DENIED": 7,
-    "RESOURCE_EXHAUSTED": 8,
-    "FAILED_PRECONDITION": 9,
-    "INTERNAL": 13,
-    "UNAVAILABLE": 14,
-    "UNAUTHENTICATED": 16,
-}
+STATUS_CODES = {s.name: s.code for s in STATUSES.values()}  # kvseal.errors' table: grpc.StatusCode values
 STATUS_NAMES = {v: k for k, v in STATUS_CODES.items()}
 
 _HEADER = struct.Struct("<IB")
@@ -101,7 +90,7 @@ _LOAD_OK = struct.Struct("<BIH")
 _BLOCK_ID = np.dtype("<u4")
 
 
-class Unframeable(ValueError):
+class Unframeable(InvalidArgument, ValueError):
     """The request cannot be carried by the lane (the client sends it over gRPC instead)."""
 
 

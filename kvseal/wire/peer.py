@@ -35,6 +35,7 @@ import hmac
 import struct
 from dataclasses import dataclass
 
+from kvseal.errors import InvalidArgument
 from kvseal.limits import MAX_BLOCKS_PER_REQUEST, MAX_HASH_BYTES
 
 MAGIC = b"KVPF"
@@ -59,7 +60,7 @@ _U32 = struct.Struct("<I")
 _FETCH_FIXED = struct.Struct(f"<{DIGEST_BYTES}sIIBIB")
 
 
-class ProtocolError(ValueError):
+class ProtocolError(InvalidArgument, ValueError):
     """The other end sent something this protocol does not allow."""
 
 
