@@ -12,7 +12,9 @@ KVSEAL = Path(__file__).resolve().parent.parent / "kvseal"
 
 # bottom to top; a module belongs to the longest prefix named here ("kvseal" itself, its version, names only itself)
 FLOORS: list[tuple[str, ...]] = [
-    ("kvseal", "kvseal.errors", "kvseal.limits", "kvseal.memfd", "kvseal.proto", "kvseal.auth", "kvseal.units", "kvseal.rpc"),
+    # the ground: errors and their table, limits, memfds, the proto, who calls, sizes
+    ("kvseal", "kvseal.errors", "kvseal.limits", "kvseal.memfd", "kvseal.proto", "kvseal.auth", "kvseal.units"),
+    ("kvseal.rpc", "kvseal.sockets"),  # the one gRPC servicer-method handler; exact-size socket reads
     ("kvseal.core",),  # pure: layout, seal, store
     ("kvseal.wire", "kvseal.copy"),  # sans-I/O codecs (the lane's, the peer protocol's); byte movers
     ("kvseal.ssd",),

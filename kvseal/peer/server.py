@@ -30,7 +30,8 @@ from typing import Any
 from kvseal.auth import local_uid_allowed, tcp_peer_uid
 from kvseal.engine.engine import Engine
 from kvseal.errors import InvalidArgument
-from kvseal.peer.tcp import checksums, recv_exact, recv_frame
+from kvseal.peer.tcp import checksums, recv_frame
+from kvseal.sockets import recv_exact
 from kvseal.wire import peer as wire
 
 log = logging.getLogger("kvseal.peer")

@@ -9,22 +9,10 @@ from collections.abc import Sequence
 
 import xxhash
 
+from kvseal.sockets import recv_exact
 from kvseal.wire.peer import ProtocolError
 
 IOV_MAX = 1024  # buffers one sendmsg / recvmsg_into takes (Linux's UIO_MAXIOV)
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """n bytes, or ConnectionError when the other end closes first."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError(f"the peer closed the connection after {got} of {n} bytes")
-        got += k
-    return bytes(buf)
 
 
 def recv_frame(sock: socket.socket, limit: int) -> bytes:

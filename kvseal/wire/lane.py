@@ -54,6 +54,7 @@ from kvseal.limits import (
     MAX_TOKEN_BYTES,
     check_length,
 )
+from kvseal.sockets import StreamClosed, recv_exact
 
 OP_QUERY, OP_RELEASE, OP_SAVE, OP_LOAD, OP_HELLO, OP_REGISTER, OP_UNREGISTER = 1, 2, 3, 4, 5, 6, 7
 OP_NAMES = {
@@ -442,27 +443,10 @@ class FrameBuffer:
 
 def read_frame(sock, max_frame: int = MAX_FRAME) -> tuple[int, bytes] | None:  # type: ignore[no-untyped-def]
     """One frame from a blocking socket: (op or code, body), or None at a clean end of stream."""
-    header = _recv_exact(sock, _HEADER.size)
-    if header is None:
+    try:
+        length, op = _HEADER.unpack(recv_exact(sock, _HEADER.size))
+    except StreamClosed:
         return None
-    length, op = _HEADER.unpack(header)
     if length > max_frame:
         raise InvalidArgument(f"frame of {length} bytes exceeds the {max_frame}-byte limit")
-    body = _recv_exact(sock, length) if length else b""
-    if body is None:
-        raise ConnectionError("connection closed inside a frame")
-    return op, body
-
-
-def _recv_exact(sock, n: int) -> bytes | None:  # type: ignore[no-untyped-def]
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            if got == 0:
-                return None
-            raise ConnectionError("connection closed inside a frame")
-        got += k
-    return bytes(buf)
+    return op, recv_exact(sock, length) if length else b""
