@@ -108,3 +108,26 @@ def test_a_segment_header_reads_back_and_any_change_is_refused(
     bad[at] ^= data.draw(st.integers(1, 255))
     with pytest.raises(fmt.FormatError):
         fmt.decode_segment_header(bytes(bad))
+
+
+@given(st.text(min_size=1, max_size=80), hashes, payloads)
+def test_record_len_is_the_length_of_the_record_built(ns: str, block_hash: bytes, payload: bytes) -> None:
+    """What the write path plans (fmt.record_len, from the name's UTF-8 length) is what encode_record builds."""
+    data = fmt.encode_record(fmt.BLOCK, 3, ns, bytes(32), block_hash, payload)
+    assert fmt.record_len(len(ns.encode()), len(block_hash), len(payload)) == len(data)
+
+
+def test_notes_read_back_and_the_latest_purge_mark_wins() -> None:
+    lines = [
+        fmt.quarantine_note(3, 4096, "checksum"),
+        fmt.purge_note(2, 8192, 1000, "llama.abc"),
+        fmt.purge_note(5, 0, 1000, "llama.abc"),
+        fmt.purge_note(4, 64, 1000, "llama.abc"),
+        fmt.purge_note(1, 0, 0, "llama.abc"),
+        "quarantine x 1 checksum",  # does not parse: reported
+        "something newer 1 2",  # not a note this version knows: ignored
+    ]
+    notes = fmt.parse_notes(lines)
+    assert notes.quarantined == {(3, 4096)}
+    assert notes.purged == {(1000, "llama.abc"): (5, 0), (0, "llama.abc"): (1, 0)}
+    assert notes.unparsed == ("quarantine x 1 checksum",)

@@ -1,10 +1,13 @@
 """The SSD tier's disk engine (kvseal.ssd.tier) on the in-memory device (kvseal.testing.MemoryDevice): round trips,
 restarts clean and after a crash, torn tails, seeded corruption, reclaim at capacity, a full or failing disk,
 layouts kept apart, migration of older namespaces, and a close/reopen fuzz loop (no phantom, nothing acknowledged
-lost). The same logic on real files is covered by the process tests (tests/test_ssd_process.py)."""
+lost). Then its pieces on their own: recovery's index as a value (kvseal.ssd.recovery), the block index
+(kvseal.ssd.index), and the Tier interface that DiskTier and the no-op NullTier (kvseal.ssd.null) both keep. The
+same logic on real files is covered by the process tests (tests/test_ssd_process.py)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 import threading
@@ -15,7 +18,10 @@ import pytest
 
 from kvseal.core.layout import LayerGeometry, Layout, build_layout, namespace_final
 from kvseal.ssd import format as fmt
-from kvseal.ssd.tier import DiskTier, WriteItem
+from kvseal.ssd.index import BlockIndex, location
+from kvseal.ssd.null import NullTier
+from kvseal.ssd.recovery import recover
+from kvseal.ssd.tier import DiskTier, Tier, WriteItem
 from kvseal.testing import MemoryDevice
 
 SEGMENT = 256 << 10
@@ -45,7 +51,7 @@ def hashes(tag: str, n: int) -> list[bytes]:
     return [f"{tag}-{i}".encode().ljust(32, b".") for i in range(n)]
 
 
-class Tier:
+class Harness:
     """A DiskTier over devices, with helpers that write and read whole pages synchronously."""
 
     def __init__(self, devices: Sequence[MemoryDevice], recovery: str = "scan", **kwargs: int) -> None:
@@ -86,12 +92,12 @@ class Tier:
 
 def test_blocks_read_back_byte_exact_and_survive_a_clean_restart() -> None:
     dev = MemoryDevice(4 << 20, SEGMENT)
-    t = Tier([dev])
+    t = Harness([dev])
     hs = hashes("a", 40)
     assert t.write(BASE, hs)
     assert t.prefix(BASE, hs) == 40 and t.read(BASE, hs) == [""] * 40
     t.close()
-    t = Tier([dev])
+    t = Harness([dev])
     assert t.report.records == 40 and t.report.scanned_segments == 0  # sealed segments: summaries only
     assert t.prefix(BASE, hs) == 40 and t.read(BASE, hs) == [""] * 40
     assert t.tier.statistics().records == 40
@@ -100,28 +106,28 @@ def test_blocks_read_back_byte_exact_and_survive_a_clean_restart() -> None:
 
 def test_after_a_crash_the_segment_being_written_is_scanned_and_sealed() -> None:
     dev = MemoryDevice(4 << 20, SEGMENT)
-    t = Tier([dev])
+    t = Harness([dev])
     hs = hashes("c", 10)
     assert t.write(BASE, hs)  # no close: the process "died" with the segment unsealed
-    crashed = Tier([dev])
+    crashed = Harness([dev])
     assert crashed.report.scanned_segments == 1 and crashed.report.records == 10
     assert crashed.read(BASE, hs) == [""] * 10
     crashed.close()
-    again = Tier([dev])
+    again = Harness([dev])
     assert again.report.scanned_segments == 0 and again.report.records == 10  # the scan sealed it
     again.close()
 
 
 def test_a_torn_tail_is_cut_and_nothing_after_it_is_served() -> None:
     dev = MemoryDevice(4 << 20, SEGMENT)
-    t = Tier([dev])
+    t = Harness([dev])
     first, second = hashes("t1", 4), hashes("t2", 4)
     assert t.write(BASE, first) and t.write(BASE, second)
     seq = dev.segments()[-1]
     data = dev.files[seq]
     last_magic = data.rfind(fmt.RECORD_MAGIC)  # tear the last record: half of its payload never reached the disk
     data[last_magic + 4096 : last_magic + 8192] = bytes(4096)
-    t2 = Tier([dev])
+    t2 = Harness([dev])
     assert t2.report.torn_cut == 1 and t2.report.records == 7
     assert t2.prefix(BASE, first + second) == 7
     assert t2.read(BASE, first + second[:3]) == [""] * 7
@@ -136,7 +142,7 @@ def test_seeded_corruptions_are_never_served(seed: int) -> None:
     layouts = (BASE, MTP)
     written = {lay.digest: hashes(f"s{seed}-{i}", 12) for i, lay in enumerate(layouts)}
     pristine = MemoryDevice(2 << 20, 128 << 10)
-    t = Tier([pristine])
+    t = Harness([pristine])
     for lay in layouts:
         assert t.write(lay, written[lay.digest][:6]) and t.write(lay, written[lay.digest][6:])
     t.close()
@@ -153,7 +159,7 @@ def test_seeded_corruptions_are_never_served(seed: int) -> None:
                 data[at : at + n] = bytes(len(data[at : at + n]))
             else:
                 data[at] ^= rng.randint(1, 255)
-        t = Tier([dev])
+        t = Harness([dev])
         served = bad = 0
         for lay in layouts:
             results = t.read(lay, written[lay.digest])  # asserts every block read is byte exact
@@ -171,7 +177,7 @@ def test_seeded_corruptions_are_never_served(seed: int) -> None:
 
 def test_reclaim_at_capacity_drops_the_oldest_segments_whole() -> None:
     dev = MemoryDevice(1 << 20, 128 << 10)  # 8 segments of 128 KiB: ~13 blocks of 8 KiB each
-    t = Tier([dev])
+    t = Harness([dev])
     batches = [hashes(f"r{i}", 10) for i in range(20)]
     for batch in batches:
         assert t.write(BASE, batch)
@@ -181,7 +187,7 @@ def test_reclaim_at_capacity_drops_the_oldest_segments_whole() -> None:
     assert t.read(BASE, held) == [""] * len(held)
     assert t.tier.statistics().records == len(held)
     t.close()
-    t = Tier([dev])
+    t = Harness([dev])
     assert sorted(h for batch in batches for h in batch if t.prefix(BASE, [h])) == sorted(held)
     t.close()
 
@@ -189,7 +195,7 @@ def test_reclaim_at_capacity_drops_the_oldest_segments_whole() -> None:
 def test_a_full_disk_takes_the_device_out_of_the_rotation_and_keeps_what_it_holds() -> None:
     dev = MemoryDevice(4 << 20, SEGMENT)
     dev.space_bytes = 2 * SEGMENT  # room for two segments, then ENOSPC
-    t = Tier([dev])
+    t = Harness([dev])
     kept = hashes("k", 10)
     assert t.write(BASE, kept)
     results = [t.write(BASE, hashes(f"f{i}", 10)) for i in range(20)]
@@ -203,7 +209,7 @@ def test_a_full_disk_takes_the_device_out_of_the_rotation_and_keeps_what_it_hold
 
 def test_a_failing_device_leaves_the_others_writing() -> None:
     bad, good = MemoryDevice(4 << 20, SEGMENT, "bad"), MemoryDevice(4 << 20, SEGMENT, "good")
-    t = Tier([bad, good])
+    t = Harness([bad, good])
     bad.fail_writes = True
     outcomes = [t.write(BASE, hashes(f"e{i}", 4)) for i in range(6)]
     assert outcomes.count(False) >= 1 and outcomes[-1] is True  # the bad path failed once, then only good writes
@@ -213,13 +219,13 @@ def test_a_failing_device_leaves_the_others_writing() -> None:
 
 def test_striping_over_two_devices_reads_back_from_both() -> None:
     a, b = MemoryDevice(4 << 20, SEGMENT, "a"), MemoryDevice(4 << 20, SEGMENT, "b")
-    t = Tier([a, b])
+    t = Harness([a, b])
     batches = [hashes(f"p{i}", 5) for i in range(6)]
     for batch in batches:
         assert t.write(BASE, batch)
     assert a.writes and b.writes
     t.close()
-    t = Tier([a, b])
+    t = Harness([a, b])
     every = [h for batch in batches for h in batch]
     assert t.read(BASE, every) == [""] * len(every)
     t.close()
@@ -229,13 +235,13 @@ def test_layouts_and_users_stay_apart_across_a_restart() -> None:
     """MTP on/off (an extra layer) and fp16/bf16 (same bytes) under one client namespace, and two users of one
     layout: one device, shared hashes, never one's bytes for another."""
     dev = MemoryDevice(4 << 20, SEGMENT)
-    t = Tier([dev])
+    t = Harness([dev])
     hs = hashes("shared", 6)
     for lay in (BASE, MTP, BF16):
         assert t.write(lay, hs)
     assert t.write(BASE, hs, tenant=1000)
     t.close()
-    t = Tier([dev])
+    t = Harness([dev])
     assert len(t.tier.namespaces()) == 4
     for lay in (BASE, MTP, BF16):
         assert t.read(lay, hs) == [""] * 6  # page() differs per layout: a cross read would fail the byte check
@@ -245,7 +251,7 @@ def test_layouts_and_users_stay_apart_across_a_restart() -> None:
 
 
 def test_a_reader_of_another_layout_under_the_same_key_is_refused() -> None:
-    t = Tier([MemoryDevice(4 << 20, SEGMENT)])
+    t = Harness([MemoryDevice(4 << 20, SEGMENT)])
     hs = hashes("x", 3)
     assert t.write(BASE, hs)
     dst = [memoryview(bytearray(BF16.page_bytes)) for _ in hs]
@@ -276,14 +282,14 @@ def rewrite_namespace(dev: MemoryDevice, old: str, new: str, descriptor: bytes |
 
 def test_namespaces_keyed_by_an_older_fingerprint_are_rekeyed() -> None:
     dev = MemoryDevice(4 << 20, SEGMENT)
-    t = Tier([dev])
+    t = Harness([dev])
     hs = hashes("m", 5)
     assert t.write(BASE, hs)
     t.close()
     current = namespace_final("llama", BASE)
     older = f"llama.{BASE.digest.hex()[:12]}"  # as if fingerprints once had 12 hex digits
     rewrite_namespace(dev, current, older)
-    t = Tier([dev])
+    t = Harness([dev])
     assert t.report.rekeyed == {older: current}
     assert t.read(BASE, hs) == [""] * 5  # found under the current name; records checked against the old one
     t.close()
@@ -291,7 +297,7 @@ def test_namespaces_keyed_by_an_older_fingerprint_are_rekeyed() -> None:
 
 def test_namespaces_whose_descriptor_this_version_cannot_build_are_dropped() -> None:
     dev = MemoryDevice(4 << 20, SEGMENT)
-    t = Tier([dev])
+    t = Harness([dev])
     hs = hashes("d", 5)
     assert t.write(BASE, hs) and t.write(MTP, hs)
     t.close()
@@ -299,7 +305,7 @@ def test_namespaces_whose_descriptor_this_version_cannot_build_are_dropped() -> 
     doc["format"] = 0
     old_descriptor = json.dumps(doc).encode()
     rewrite_namespace(dev, namespace_final("llama", BASE), namespace_final("llama", BASE), old_descriptor)
-    t = Tier([dev])
+    t = Harness([dev])
     assert t.report.dropped_namespaces == [namespace_final("llama", BASE)]
     assert t.prefix(BASE, hs) == 0  # never served under a guessed namespace
     assert t.read(MTP, hs) == [""] * 5
@@ -308,12 +314,12 @@ def test_namespaces_whose_descriptor_this_version_cannot_build_are_dropped() -> 
 
 def test_strict_recovery_refuses_a_bad_directory_and_none_starts_empty() -> None:
     dev = MemoryDevice(4 << 20, SEGMENT)
-    t = Tier([dev])
+    t = Harness([dev])
     assert t.write(BASE, hashes("z", 4))
     dev.files[dev.segments()[0]][0] ^= 1  # a segment header
     with pytest.raises(RuntimeError, match="strict"):
         DiskTier([dev]).open("strict")
-    t = Tier([dev], recovery="none")
+    t = Harness([dev], recovery="none")
     assert t.report.records == 0 and dev.segments() == []
     t.close()
 
@@ -323,7 +329,7 @@ def test_close_and_reopen_in_a_loop_never_shows_a_phantom_nor_loses_an_acknowled
     rng = random.Random(seed)
     dev = MemoryDevice(64 << 20, SEGMENT)  # no reclaim: every acknowledged block must stay
     acknowledged: dict[bytes, list[bytes]] = {BASE.digest: [], MTP.digest: []}
-    t = Tier([dev])
+    t = Harness([dev])
     for step in range(40):
         op = rng.random()
         if op < 0.6:
@@ -334,7 +340,7 @@ def test_close_and_reopen_in_a_loop_never_shows_a_phantom_nor_loses_an_acknowled
         elif op < 0.8:
             if rng.random() < 0.5:
                 t.close()
-            t = Tier([dev])  # without close: a crash
+            t = Harness([dev])  # without close: a crash
         for lay in (BASE, MTP):
             probe = acknowledged[lay.digest] + hashes(f"never-{step}", 2)
             results = t.read(lay, probe)  # byte checks: no phantom
@@ -345,7 +351,7 @@ def test_close_and_reopen_in_a_loop_never_shows_a_phantom_nor_loses_an_acknowled
 
 def test_a_purged_namespace_stays_gone_after_a_restart_and_new_blocks_come_back() -> None:
     dev = MemoryDevice(4 << 20, SEGMENT)
-    t = Tier([dev])
+    t = Harness([dev])
     old, other = hashes("old", 6), hashes("other", 3)
     assert t.write(BASE, old) and t.write(MTP, other)
     assert t.tier.purge(key(BASE)) == 6
@@ -353,14 +359,14 @@ def test_a_purged_namespace_stays_gone_after_a_restart_and_new_blocks_come_back(
     new = hashes("new", 4)
     assert t.write(BASE, new)  # written after the purge: kept
     t.close()
-    t = Tier([dev])
+    t = Harness([dev])
     assert t.prefix(BASE, old) == 0 and t.read(BASE, new) == [""] * 4 and t.read(MTP, other) == [""] * 3
     t.close()
 
 
 def test_inspection_changes_nothing_and_finds_bad_records() -> None:
     dev = MemoryDevice(4 << 20, SEGMENT)
-    t = Tier([dev])
+    t = Harness([dev])
     hs = hashes("i", 8)
     assert t.write(BASE, hs)  # no close: the segment stays unsealed
     data = dev.files[dev.segments()[0]]
@@ -379,7 +385,7 @@ def test_inspection_changes_nothing_and_finds_bad_records() -> None:
 
 
 def test_a_layout_colliding_with_a_namespace_on_disk_is_never_written_under_it() -> None:
-    t = Tier([MemoryDevice(4 << 20, SEGMENT)])
+    t = Harness([MemoryDevice(4 << 20, SEGMENT)])
     hs = hashes("col", 3)
     assert t.write(BASE, hs)
     pages = [memoryview(page(BF16, h)) for h in hs]
@@ -387,3 +393,86 @@ def test_a_layout_colliding_with_a_namespace_on_disk_is_never_written_under_it()
     assert not t.tier.write(key(BASE), BF16, [WriteItem(h, p) for h, p in zip(hs, pages, strict=True)], done.append)
     assert done == [] and t.read(BASE, hs) == [""] * 3
     t.close()
+
+
+# ---------------------------------------------------------------------- the pieces
+
+
+def test_recovery_returns_the_index_and_changes_nothing_when_readonly() -> None:
+    dev = MemoryDevice(4 << 20, SEGMENT)
+    t = Harness([dev])
+    first, second = hashes("v1", 5), hashes("v2", 3)
+    assert t.write(BASE, first)
+    t.close()  # segment 1 sealed
+    t = Harness([dev])
+    assert t.write(MTP, second)  # segment 2, left unsealed: a crash
+    before = {seq: bytes(b) for seq, b in dev.files.items()}
+    found = recover([dev], "scan", readonly=True)
+    assert {seq: bytes(b) for seq, b in dev.files.items()} == before
+    assert found.report.records == 8 and found.report.scanned_segments == 1
+    assert [(d.sealed, d.next_seq) for d in found.devices] == [([1, 2], 3)]
+    assert found.index.prefix(key(BASE), first) == 5 and found.index.prefix(key(MTP), second) == 3
+    assert found.index.records == 8 and found.index.bytes == 5 * BASE.page_bytes + 3 * MTP.page_bytes
+    assert found.index.summary()[key(MTP)] == (3, 3 * MTP.page_bytes, MTP.descriptor)
+    sealing = recover([dev], "scan")  # not readonly: the unsealed segment is sealed
+    assert sealing.report.scanned_segments == 1 and recover([dev], "scan").report.scanned_segments == 0
+    with pytest.raises(ValueError, match="recovery must be one of"):
+        recover([dev], "fast")
+
+
+def test_the_index_moves_blocks_forgets_reclaimed_segments_and_defers_a_file_in_use() -> None:
+    index = BlockIndex()
+    ns = index.namespace_for(key(BASE), BASE)
+    a, b = hashes("ix", 2)
+    index.add((0, 1), ns, [a, b], [location(0, 1, 4096), location(0, 1, 8192)])
+    index.add((0, 2), ns, [b], [location(0, 2, 4096)])  # written again: it moves to its newest record
+    assert (index.records, index.bytes) == (2, 2 * BASE.page_bytes)
+    index.pin([(0, 1), (0, 1)])  # two runs of one read
+    assert index.drop_segment((0, 1)) is False  # in use: the file stays
+    assert index.prefix(key(BASE), [b, a]) == 1 and index.absent(key(BASE), [a, b]) == [0]
+    assert index.unpin([(0, 1)]) == [] and index.unpin([(0, 1)]) == [(0, 1)]  # the last read removes it
+    assert index.drop_segment((0, 2)) is True
+    assert (index.records, index.bytes) == (0, 0) and index.summary() == {key(BASE): (0, 0, BASE.descriptor)}
+    index.add((0, 3), ns, [a, b], [location(0, 3, 4096), location(0, 3, 8192)])
+    index.discard(ns, a, location(0, 9, 4096))  # a stale location: nothing
+    index.discard(ns, a, location(0, 3, 4096))
+    assert index.absent(key(BASE), [a, b]) == [0] and index.clear(ns) == 1 and index.records == 0
+
+
+def test_the_index_finds_a_namespace_by_an_older_stored_name() -> None:
+    index = BlockIndex()
+    current = namespace_final("llama", BASE)
+    ns = index.alias((7, current), BASE.descriptor, BASE, "llama.0123456789ab")
+    assert index.stored(7, "llama.0123456789ab") is ns and index.stored(7, current) is None
+    assert ns.names == {current, "llama.0123456789ab"} and ns.longest_name == len("llama.0123456789ab")
+    assert index.alias((7, current), BASE.descriptor, BASE, current) is ns and index.stored(7, current) is ns
+
+
+TIER_METHODS = ("prefix", "absent", "write", "read", "namespaces", "purge", "statistics", "close")
+
+
+@pytest.mark.parametrize("implementation", [DiskTier, NullTier])
+def test_the_tier_interface_is_kept_by_every_tier(implementation: type) -> None:
+    """Same methods, same parameters, as the Tier protocol: the engine may hold either."""
+    for name in TIER_METHODS:
+        assert inspect.signature(getattr(implementation, name)) == inspect.signature(getattr(Tier, name)), name
+    assert {n for n in vars(Tier) if not n.startswith("_")} == set(TIER_METHODS)
+
+
+def test_the_null_tier_holds_nothing_and_takes_nothing() -> None:
+    tier: Tier = NullTier()
+    hs = hashes("null", 3)
+    assert tier.prefix(key(BASE), hs) == 0
+    assert tier.absent(key(BASE), hs) == []  # nothing to write, so nothing to pin
+    done: list[bool] = []
+    items = [WriteItem(h, memoryview(page(BASE, h))) for h in hs]
+    assert tier.write(key(BASE), BASE, items, done.append) is False and done == []  # not taken: no call
+    dst = [memoryview(bytearray(BASE.page_bytes)) for _ in hs]
+    assert tier.read(key(BASE), BASE, hs, dst) == ["missing"] * 3
+    assert all(not any(d) for d in dst)
+    assert tier.namespaces() == {} and tier.purge(key(BASE)) == 0
+    stats = tier.statistics()
+    assert stats.devices == () and stats.records == stats.writes == stats.reads == stats.skipped == 0
+    assert stats.verify_failures == {} and stats.failed_devices == {}
+    tier.close()
+    tier.close()

@@ -1,2 +1,3 @@
-"""The SSD tier: persistent, self-describing segments of blocks (format), where they live (device), and the disk
-engine that writes, verifies, reclaims and recovers them (tier)."""
+"""The SSD tier: persistent, self-describing segments of blocks (format), where they live (device), how they are
+written (writer) and read (reader), which blocks are where (index), what survives a restart (recovery), and the disk
+engine over them (tier: DiskTier, and the Tier interface; null: NullTier, the tier of an engine without SSD)."""

@@ -1,13 +1,12 @@
 """The SSD tier's device seam: where a segment's bytes live. A device knows capacity and files, nothing of records.
 
-An implementation must: create a segment of `segment_bytes` (raising OSError, e.g. ENOSPC, if the space cannot be
-had), write and read at byte offsets inside it, list the segments present, and remove one. Writes are given
-aligned offsets and lengths (multiples of ALIGN); reads may be unaligned (the device widens them). A read past what
-was ever written returns zeros or fewer bytes, never an error. The caller guarantees that no read or write of a
-segment is in flight when it removes it. A device also keeps the tier's notes (quarantined records, purged
-namespaces: one line each) across restarts. A device may have `untrusted` ({seq: why}): segment names it found but
-will not read or write; the tier counts them and never reuses their numbers. kvseal.testing.MemoryDevice is the
-in-memory one.
+The contract is the Device protocol's (each method's docstring); kvseal.testing.devices checks it, and every
+implementation runs those checks (tests/test_ssd_device.py): FileDevice here, kvseal.testing.MemoryDevice in memory.
+In short: segments of `segment_bytes` are created, written at aligned offsets, read at any offset, listed and
+removed; a read past what was ever written returns zeros or fewer bytes, never an error; the tier's notes
+(quarantined records, purged namespaces: one line each) are kept across restarts. A device may have `untrusted`
+({seq: why}): segment names it found but will not read or write; the tier counts them and never reuses their
+numbers.
 
 FileDevice keeps one file per segment in a directory, opened with O_DIRECT where the filesystem supports it (the
 page cache would otherwise hold a second copy of what the pool already holds) and buffered where it does not
@@ -53,28 +52,57 @@ log = logging.getLogger("kvseal.ssd")
 
 
 class Device(Protocol):
-    segment_bytes: int
-    max_segments: int
-    direct: bool
-    name: str
+    """Segment files of one path. Segments are named by a number (`seq`, > 0) the caller chooses. The caller
+    guarantees: a segment it writes, reads or syncs is present (listed or created, not removed); no read or write of
+    a segment is in flight while it removes it; every write lies inside the segment; a device is not used once
+    closed. Reads, writes and syncs of different segments, and reads of one, may come from several threads at once.
+    What was written and synced, and the notes, are there when the same storage is opened again after `close`."""
 
-    def segments(self) -> list[int]: ...
+    segment_bytes: int  # every segment's size: a positive multiple of ALIGN
+    max_segments: int  # how many segments the capacity holds (at least 2: one being written, one to reclaim)
+    direct: bool  # whether writes bypass the page cache (O_DIRECT): logged by the tier, changes nothing else
+    name: str  # for messages and metrics: the path
 
-    def create(self, seq: int) -> None: ...
+    def segments(self) -> list[int]:
+        """The (trusted) segments present, ascending."""
+        ...
 
-    def write(self, seq: int, offset: int, data: memoryview) -> None: ...
+    def create(self, seq: int) -> None:
+        """Makes a new segment of `segment_bytes` bytes, all zero, that `seq` does not name yet. OSError (ENOSPC...)
+        when the space cannot be had now, not at a later write; the segment is then not present."""
+        ...
 
-    def read(self, seq: int, offset: int, length: int) -> memoryview: ...
+    def write(self, seq: int, offset: int, data: memoryview) -> None:
+        """Writes `data` at `offset` of the segment. The caller guarantees that `offset` and len(data) are multiples
+        of ALIGN and that `data` lies in page-aligned memory (O_DIRECT needs both); OSError (EIO, ENOSPC...) on
+        failure, after which what that range holds is undefined."""
+        ...
 
-    def remove(self, seq: int) -> None: ...
+    def read(self, seq: int, offset: int, length: int) -> memoryview:
+        """The bytes [offset, offset + length) of the segment, at any offset and length: fewer only where the
+        segment ends (none at or past its end); zeros where nothing was written. The view is valid until the
+        calling thread's next read from this device. OSError on failure."""
+        ...
 
-    def sync(self, seq: int) -> None: ...
+    def remove(self, seq: int) -> None:
+        """Removes the segment and frees its space; its number is no longer listed. Nothing when it is absent."""
+        ...
 
-    def note(self, line: str) -> None: ...
+    def sync(self, seq: int) -> None:
+        """Returns once what was written to the segment is durable (a crash keeps it)."""
+        ...
 
-    def notes(self) -> list[str]: ...
+    def note(self, line: str) -> None:
+        """Appends one line (no newline in it) to the tier's notes, durably. OSError when it cannot."""
+        ...
 
-    def close(self) -> None: ...
+    def notes(self) -> list[str]:
+        """Every line noted, in order, across restarts ([] when none; unreadable notes are logged and ignored)."""
+        ...
+
+    def close(self) -> None:
+        """Releases what the device holds (descriptors, the directory's lock). Idempotent."""
+        ...
 
 
 class TierDirectoryError(OSError):

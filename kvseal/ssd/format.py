@@ -25,6 +25,13 @@ SUMMARY (payload = every record of the segment, so recovery reads one record per
                       | hash 64 (zero padded) |
 
 Checksums are XXH3-64 (tens of GB/s, so they cost nothing beside the disk).
+
+Beside the segments, a device keeps the tier's notes (kvseal.ssd.device: `note`), one line each, which recovery
+honours at every start:
+
+    quarantine <seq> <offset> <reason>        the record there failed its checks on read: never index it again
+    purge <seq> <offset> <tenant> <name>      the namespace stored as (tenant, name) was purged when the device's
+                                              next write was to go at (seq, offset): its records before that are gone
 """
 
 from __future__ import annotations
@@ -167,6 +174,11 @@ def header_len(namespace_final: str, block_hash: bytes) -> int:
     return align(_RECORD_FIXED + len(namespace_final.encode()) + len(block_hash), RECORD_ALIGN)
 
 
+def record_len(name_bytes: int, hash_bytes: int, payload_len: int) -> int:
+    """The bytes a record takes in its segment (header and payload, padded), its namespace `name_bytes` long."""
+    return align(align(_RECORD_FIXED + name_bytes + hash_bytes, RECORD_ALIGN) + payload_len, RECORD_ALIGN)
+
+
 def encode_record_header(
     kind: int,
     tenant: int,
@@ -288,3 +300,41 @@ def entry_hashes(rows: np.ndarray) -> list[bytes]:
         blob = np.ascontiguousarray(raw[:, :n]).tobytes()
         return [blob[i : i + n] for i in range(0, len(blob), n)] if n else [b""] * len(rows)
     return [raw[i, : int(length)].tobytes() for i, length in enumerate(lengths.tolist())]
+
+
+# -------------------------------------------------------------------- notes
+
+
+def quarantine_note(seq: int, offset: int, reason: str) -> str:
+    return f"quarantine {seq} {offset} {reason}"
+
+
+def purge_note(seq: int, offset: int, tenant: int, name: str) -> str:
+    return f"purge {seq} {offset} {tenant} {name}"
+
+
+@dataclass(frozen=True, slots=True)
+class Notes:
+    """What a device's notes say: quarantined records, and per stored namespace where its purge mark lies (the
+    latest one), plus the lines that did not parse."""
+
+    quarantined: frozenset[tuple[int, int]]  # (seq, offset)
+    purged: dict[tuple[int, str], tuple[int, int]]  # (tenant, stored name) -> (seq, offset)
+    unparsed: tuple[str, ...] = ()
+
+
+def parse_notes(lines: Sequence[str]) -> Notes:
+    quarantined: set[tuple[int, int]] = set()
+    purged: dict[tuple[int, str], tuple[int, int]] = {}
+    unparsed: list[str] = []
+    for line in lines:
+        parts = line.split(" ")
+        try:
+            if parts[0] == "quarantine" and len(parts) == 4:
+                quarantined.add((int(parts[1]), int(parts[2])))
+            elif parts[0] == "purge" and len(parts) == 5:
+                name = (int(parts[3]), parts[4])
+                purged[name] = max(purged.get(name, (0, 0)), (int(parts[1]), int(parts[2])))
+        except ValueError:
+            unparsed.append(line)
+    return Notes(frozenset(quarantined), purged, tuple(unparsed))
