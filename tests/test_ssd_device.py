@@ -1,4 +1,4 @@
-"""The Device contract (kvseal.ssd.device.Device), checked by the conformance suite (kvseal.testing.devices) on every
+"""The Device contract (kvseal.ssd.device.Device), checked by the conformance suite (kvseal.testing.device_checks) on every
 implementation: FileDevice on a real directory and kvseal.testing.MemoryDevice. Plus what only the in-memory one
 can show: a full device (ENOSPC at create, nothing left behind)."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from kvseal.ssd.device import FileDevice
 from kvseal.testing import MemoryDevice
-from kvseal.testing.devices import DEVICE_CHECKS, OpenDevice
+from kvseal.testing.device_checks import DEVICE_CHECKS, OpenDevice
 
 CAPACITY = 256 << 10
 SEGMENT = 64 << 10

@@ -1,6 +1,6 @@
 """The SSD tier's device seam: where a segment's bytes live. A device knows capacity and files, nothing of records.
 
-The contract is the Device protocol's (each method's docstring); kvseal.testing.devices checks it, and every
+The contract is the Device protocol's (each method's docstring); kvseal.testing.device_checks checks it, and every
 implementation runs those checks (tests/test_ssd_device.py): FileDevice here, kvseal.testing.MemoryDevice in memory.
 In short: segments of `segment_bytes` are created, written at aligned offsets, read at any offset, listed and
 removed; a read past what was ever written returns zeros or fewer bytes, never an error; the tier's notes
