@@ -1,6 +1,6 @@
-"""The Device contract (kvseal.ssd.device.Device), checked by the conformance suite (kvseal.testing.device_checks) on every
-implementation: FileDevice on a real directory and kvseal.testing.MemoryDevice. Plus what only the in-memory one
-can show: a full device (ENOSPC at create, nothing left behind)."""
+"""The Device contract (kvseal.ssd.device.Device), checked by the conformance suite (kvseal.testing.device_checks)
+on every implementation: FileDevice on a real directory and kvseal.testing.MemoryDevice. Plus what only the
+in-memory one can show: a full device (ENOSPC at create, nothing left behind)."""
 
 from __future__ import annotations
 
