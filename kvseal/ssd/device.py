@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from kvseal.errors import FailedPrecondition
+
 ALIGN = 4096
 LOCK_FILE = "kvseal.lock"
 NOTES_FILE = "notes.log"
@@ -105,7 +107,7 @@ class Device(Protocol):
         ...
 
 
-class TierDirectoryError(OSError):
+class TierDirectoryError(FailedPrecondition, OSError):
     """A tier directory the engine must not use; the message (one line) says why and what to do."""
 
 

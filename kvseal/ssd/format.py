@@ -44,6 +44,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from kvseal.errors import DataLoss
+
 FORMAT = 1
 SEGMENT_MAGIC = b"KVSEG001"
 RECORD_MAGIC = b"KVR1"
@@ -73,7 +75,7 @@ _ENTRY = np.dtype(
 _HASH_AT = _ENTRY.fields["hash"][1]
 
 
-class FormatError(Exception):
+class FormatError(DataLoss):
     """Bytes that are not a valid record or segment. `reason` is what the tier counts: checksum (bytes changed),
     truncated (bytes missing), digest (a block whose layout is not its namespace's), mismatch (a valid record that
     is not the one expected), version (written by a format this code does not read)."""
