@@ -3,12 +3,12 @@
 `engine` is a fresh engine per test (64 MiB pool, 8 MiB slabs: starting one costs an interpreter start and an
 import of grpc). `engine_factory` starts more, or with extra arguments; `module_engine` is one engine shared by
 a module. Teardown stops the engine with SIGTERM (SIGKILL if it does not exit) and fails the test when the
-engine died on its own, exited non-zero or printed a Traceback.
+engine died on its own, exited non-zero or printed a Traceback. The engine process is kvseal.testing.EngineProcess
+(EngineProcess, free_port, http_get and serve_command can still be imported from here).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -16,8 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,24 +23,16 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvseal.client import EngineClient, layer_from_array
-from kvseal.errors import KvsealError
+from kvseal.client import EngineClient
 from kvseal.memfd import SharedArray
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
+from kvseal.testing.process import EngineProcess, EngineStartFailed, free_port, http_get
+from kvseal.testing.process import serve_command as serve_command  # tests import it from here
+from kvseal.testing.worker import register_one_rank
 
 REPO = Path(__file__).resolve().parent.parent
-START_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 15.0
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (bind port 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
@@ -57,162 +47,6 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
         time.sleep(interval)  # poll interval of a bounded wait on a real condition
 
 
-def http_get(url: str, token: str | None = None, timeout: float = 10.0) -> tuple[int, bytes]:
-    request = urllib.request.Request(url)
-    if token is not None:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, e.read()
-
-
-def serve_command(listen: str, http_listen: str, extra: Sequence[str] = ()) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "kvseal",
-        "serve",
-        "--listen",
-        listen,
-        "--http-listen",
-        http_listen,
-        "--pool-size",
-        "64MiB",
-        "--slab-size",
-        "8MiB",
-        *extra,
-    ]
-
-
-class EngineStartFailed(Exception):
-    pass
-
-
-class EngineProcess:
-    """A running `kvseal serve`. `target` is its gRPC address, `http` its HTTP base URL."""
-
-    def __init__(
-        self, workdir: Path, extra: Sequence[str] = (), listen: str | None = None, wrapper: Sequence[str] = ()
-    ) -> None:
-        """`wrapper`: a command line the serve command is appended to (it must exec its arguments), e.g. one that
-        sets a resource limit first."""
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.workdir = workdir
-        self.target = listen or f"127.0.0.1:{free_port()}"
-        self.http_port = free_port()
-        self.http = f"http://127.0.0.1:{self.http_port}"
-        self.token = _token_of(extra)
-        self.stdout_path = workdir / "engine.stdout"
-        self.stderr_path = workdir / "engine.stderr"
-        self.args = [*wrapper, *serve_command(self.target, f"127.0.0.1:{self.http_port}", extra)]
-        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(self.args, cwd=REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
-        self.expect_exit = False
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would; teardown then expects the engine gone."""
-        self.expect_exit = True
-        self.proc.kill()
-        self.proc.wait()
-
-    def wait_ready(self) -> None:
-        """Returns when GET /health answers 200 and gRPC accepts connections; raises EngineStartFailed if the engine
-        exits or does not get ready in time.
-
-        /health is polled first: the engine starts HTTP after gRPC, and polling a refused HTTP port is cheap,
-        whereas a gRPC channel that found nobody listening backs off for a second before trying again."""
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if not self.alive():
-                self.expect_exit = True
-                raise EngineStartFailed(f"engine exited with {self.proc.returncode} while starting:\n{self.stderr()}")
-            if time.monotonic() > deadline:
-                raise EngineStartFailed(f"engine HTTP not ready after {START_TIMEOUT_S}s:\n{self.stderr()}")
-            try:
-                if http_get(f"{self.http}/health", timeout=1.0)[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.02)  # poll interval of a bounded wait on a real condition
-        with EngineClient(self.target, token=self.token) as client:
-            try:
-                client.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
-            except KvsealError as e:
-                raise EngineStartFailed(f"engine gRPC not ready: {e}\n{self.stderr()}") from None
-
-    def client(self, **kwargs: Any) -> EngineClient:
-        kwargs.setdefault("token", self.token)
-        return EngineClient(self.target, **kwargs)
-
-    def get(self, path: str, token: str | None = None) -> tuple[int, bytes]:
-        return http_get(self.http + path, token=token if token is not None else self.token)
-
-    def get_json(self, path: str) -> Any:
-        status, body = self.get(path)
-        assert status == 200, (path, status, body)
-        return json.loads(body)
-
-    def metrics_text(self) -> str:
-        status, body = self.get("/metrics")
-        assert status == 200, (status, body)
-        return body.decode()
-
-    def metric(self, name: str, **labels: str) -> float | None:
-        """The value of one sample of /metrics (None when absent)."""
-        for family in text_string_to_metric_families(self.metrics_text()):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    return sample.value
-        return None
-
-    def stop(self) -> list[str]:
-        """Stops the engine; returns what went wrong (empty when it ran and stopped cleanly)."""
-        problems = []
-        if not self.alive():
-            if not self.expect_exit:
-                problems.append(f"engine died unexpectedly with exit code {self.proc.returncode}")
-        else:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                rc = self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                problems.append(f"engine ignored SIGTERM for {STOP_TIMEOUT_S}s and was killed")
-            else:
-                if rc != 0:
-                    problems.append(f"engine exited with {rc} after SIGTERM")
-        err = self.stderr()
-        if "Traceback" in err:
-            problems.append("engine printed a Traceback")
-        if problems:
-            problems.append(f"--- engine stderr ---\n{err}")
-        return problems
-
-
-def _token_of(extra: Sequence[str]) -> str | None:
-    args = list(extra)
-    for i, a in enumerate(args):
-        if a == "--token" and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith("--token="):
-            return a.split("=", 1)[1]
-    return None
-
-
 class _Engines:
     def __init__(self, base: Path) -> None:
         self.base = base
@@ -222,7 +56,7 @@ class _Engines:
         """Starts an engine and waits until it serves. Ports come from free_port(), so another process may take one
         before the engine binds it: that case is retried with new ports."""
         for attempt in range(3):
-            engine = EngineProcess(self.base / f"engine{len(self.running)}", extra, listen, wrapper)
+            engine = EngineProcess(self.base / f"engine{len(self.running)}", extra, listen, wrapper, cwd=REPO)
             self.running.append(engine)
             try:
                 engine.wait_ready()
@@ -230,8 +64,7 @@ class _Engines:
             except EngineStartFailed as e:
                 engine.stop()
                 self.running.remove(engine)
-                lost_port = "cannot listen" in engine.stderr() and listen is None
-                if not lost_port or attempt == 2:
+                if not (engine.lost_port() and listen is None) or attempt == 2:
                     pytest.fail(str(e), pytrace=False)
         raise AssertionError("unreachable")
 
@@ -289,17 +122,7 @@ def save_blocks(engine: EngineProcess, instance: str, namespace: str, hashes: Se
     shared = SharedArray((len(hashes), 16384))
     shared.array[:] = np.random.default_rng(len(hashes)).integers(0, 256, shared.array.shape, dtype=np.uint8)
     with EngineClient(engine.target, timeout=30, token=engine.token) as client:
-        layer = layer_from_array("model.layers.0.attn", shared.array, shared, layout_tag="t", dtype="uint8")
-        status = client.register(
-            instance_id=instance,
-            namespace=namespace,
-            tp_rank=0,
-            tp_size=1,
-            pp_rank=0,
-            world_size=1,
-            block_size=16,
-            layers=[layer],
-        )
+        status = register_one_rank(client, instance, shared, namespace=namespace, layout_tag="t", dtype="uint8")
         assert client.save((instance, 0, 0), list(hashes), list(range(len(hashes)))).completed == len(hashes)
     shared.close()
     return status.namespace_final

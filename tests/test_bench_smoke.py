@@ -2,7 +2,7 @@
 with a well-formed RESULT line whose figures are named after what it measured, not after the full run's targets,
 on the base install (torch cannot be imported, neither by the benchmark nor by the engine it starts), names the
 copy path and draws its plot, and
-`bench/store_ops.py --quick` prints its table with the cross-class stall, `kvseal bench cuda` on a machine without
+`kvseal bench store_ops --quick` prints its table with the cross-class stall, `kvseal bench cuda` on a machine without
 a GPU says what it needs, and `kvseal bench ssd --quick` ends with its RESULT line and
 leaves nothing in its directory."""
 
@@ -65,9 +65,8 @@ def test_quick_engine_benchmark_prints_a_result_line(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_quick_store_ops_benchmark_prints_its_table() -> None:
-    root = Path(__file__).resolve().parent.parent
     proc = subprocess.run(
-        [sys.executable, str(root / "bench" / "store_ops.py"), "--quick"],
+        [sys.executable, "-m", "kvseal", "bench", "store_ops", "--quick"],
         capture_output=True,
         text=True,
         timeout=110,
@@ -166,3 +165,20 @@ def test_quick_peer_benchmark_prints_a_result_line() -> None:
         "peer_vs_tcp",
     ]
     assert all(math.isfinite(v) and v > 0 for v in values.values()), values
+
+
+def test_every_benchmark_is_a_kvseal_bench_subcommand() -> None:
+    """Every module of kvseal/bench is a `kvseal bench NAME` subcommand with a main(), except the processes the
+    benchmarks start themselves; there is no other place for benchmarks."""
+    import importlib
+
+    from kvseal.cli import build_parser
+
+    bench = next(a for a in build_parser()._subparsers._group_actions if "bench" in a.choices).choices["bench"]
+    names = set(next(a for a in bench._subparsers._group_actions).choices)
+    package = Path(importlib.import_module("kvseal.bench").__file__).parent
+    modules = {p.stem for p in package.glob("*.py")} - {"__init__", "vllm_ttft_run", "vllm_ttft_model"}
+    assert names == modules
+    for name in sorted(names):
+        assert callable(importlib.import_module(f"kvseal.bench.{name}").main), name
+    assert not (package.parent.parent / "bench").exists()

@@ -14,9 +14,10 @@ import pytest
 
 from kvseal.core.layout import LayerGeometry, LayerRegistration, WorkerRegistration
 from kvseal.engine.engine import SAVE_STEP, Engine, Peer, Session
-from kvseal.engine.memory import CudaSpec, ShmSpec
+from kvseal.engine.memory import CudaSpec
 from kvseal.errors import FailedPrecondition, PermissionDenied
 from kvseal.memfd import SharedArray
+from kvseal.testing import register_one_rank
 
 SLOT = 4096  # one layer, 4 KiB per block
 BLOCKS = 64
@@ -30,13 +31,7 @@ SESSION = Session(Peer(uid=os.getuid(), pid=os.getpid(), privileged=True))
 def engine() -> Iterator[tuple[Engine, np.ndarray]]:
     shared = SharedArray((BLOCKS, SLOT))
     engine = Engine(8 << 20, slab_bytes=1 << 20)
-    layer = LayerRegistration(
-        LayerGeometry("model.layers.0.attn", "bfloat16", SLOT, 1, 0, "test"),
-        BLOCKS,
-        (SLOT,),
-        ShmSpec(0, 0, shared.region.size),
-    )
-    engine.register(WorkerRegistration("w", "ns", 0, 1, 0, 1, 16, (layer,)), SESSION, [shared.fd])
+    register_one_rank(engine, "w", shared, namespace="ns", layout_tag="test", dtype="bfloat16", session=SESSION)
     memory = shared.array
     memory[:] = np.random.default_rng(7).integers(0, 256, memory.shape, dtype=np.uint8)
     yield engine, memory

@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import EngineProcess, _Engines, wait_until
+from conftest import _Engines, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -46,6 +46,7 @@ from kvseal.limits import MAX_BLOCKS_PER_REQUEST, MAX_LAYERS
 from kvseal.memfd import SharedArray, new_memfd
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
+from kvseal.testing import EngineProcess, register_one_rank
 from kvseal.wire import lane as fq
 
 pytestmark = pytest.mark.process
@@ -137,25 +138,18 @@ class Owner:
         self.shared.array[:] = np.random.default_rng(len(instance_id)).integers(0, 256, self.shared.array.shape)
         self.client = engine.client()
         self.key = (instance_id, 0, 0)
-        layers = [
-            layer_from_array(
-                f"model.layers.{i}.self_attn.attn",
-                self.shared.array[i * BLOCKS : (i + 1) * BLOCKS],
-                self.shared,
-                layout_tag=LAYOUT_TAG,
-                dtype="float16",
-            )
-            for i in range(2)
-        ]
-        self.status = self.client.register(
-            instance_id=instance_id,
+        layers = {
+            f"model.layers.{i}.self_attn.attn": self.shared.array[i * BLOCKS : (i + 1) * BLOCKS] for i in range(2)
+        }
+        self.status = register_one_rank(
+            self.client,
+            instance_id,
+            self.shared,
+            layers,
             namespace=namespace,
-            tp_rank=0,
-            tp_size=tp_size,
-            pp_rank=0,
+            layout_tag=LAYOUT_TAG,
+            dtype="float16",
             world_size=tp_size,
-            block_size=16,
-            layers=layers,
         )
 
     def blocks(self, ids: Sequence[int]) -> bytes:

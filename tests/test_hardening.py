@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import REPO, EngineProcess, Meta, http_get, save_blocks, wait_until
+from conftest import REPO, Meta, save_blocks, wait_until
 from workers import KV_SHAPE, Worker, attn_layers
 
 from kvseal.client import EngineClient, layer_from_array
@@ -47,6 +47,7 @@ from kvseal.errors import DeadlineExceeded, InvalidArgument, KvsealError, Permis
 from kvseal.memfd import SharedArray, new_memfd
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
+from kvseal.testing import EngineProcess, http_get, register_one_rank
 from kvseal.wire import lane as ln
 
 pytestmark = pytest.mark.process
@@ -147,7 +148,15 @@ class Tenant:
         self.status = self.register()
 
     def register(self) -> pb.InstanceStatus:
-        return self.client.register(**registration(self.key[0], [self.layer()], **self._registration))
+        return register_one_rank(
+            self.client,
+            self.key[0],
+            self.shared,
+            {LAYER: self.shared.array},
+            layout_tag=TAG,
+            dtype=DTYPE,
+            **self._registration,
+        )
 
     def layer(self) -> pb.LayerSpec:
         return layer_from_array(LAYER, self.shared.array, self.shared, layout_tag=TAG, dtype=DTYPE)
@@ -1376,17 +1385,7 @@ def test_another_user_can_neither_forge_a_holder_nor_take_a_node_id_at_a_tokenle
     shared = SharedArray((len(hs), 16384))
     try:
         with EngineClient(c.target, timeout=30) as client:
-            layer = layer_from_array("model.layers.0.attn", shared.array, shared, layout_tag="t", dtype="uint8")
-            client.register(
-                instance_id="c1",
-                namespace="llama",
-                tp_rank=0,
-                tp_size=1,
-                pp_rank=0,
-                world_size=1,
-                block_size=16,
-                layers=[layer],
-            )
+            register_one_rank(client, "c1", shared, namespace="llama", layout_tag="t", dtype="uint8")
             start = time.monotonic()
             while (r := client.query("c1", hs, request_id="r1")).loading:
                 assert time.monotonic() - start < 3, "still loading after --peer-timeout"

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import REPO, EngineProcess, free_port, save_blocks, wait_until
+from conftest import REPO, save_blocks, wait_until
 
-from kvseal.client import EngineClient, layer_from_array
+from kvseal.client import EngineClient
 from kvseal.memfd import SharedArray
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
+from kvseal.testing import EngineProcess, free_port, register_one_rank
 
 pytestmark = pytest.mark.process
 
@@ -88,18 +89,9 @@ def _register(
 ) -> str:
     """Seals an instance of one worker whose layers are `layers` (4 KiB blocks); returns its namespace_final."""
     shared = SharedArray((len(layers), 4, 4096))
-    specs = [
-        layer_from_array(name, shared.array[i], shared, layout_tag="t", dtype=dtype) for i, name in enumerate(layers)
-    ]
-    status = client.register(
-        instance_id=instance,
-        namespace="llama",
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        world_size=1,
-        block_size=block_size,
-        layers=specs,
+    views = {name: shared.array[i] for i, name in enumerate(layers)}
+    status = register_one_rank(
+        client, instance, shared, views, namespace="llama", layout_tag="t", dtype=dtype, block_size=block_size
     )
     return status.namespace_final
 

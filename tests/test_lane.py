@@ -15,16 +15,16 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import REPO, EngineProcess, free_port, serve_command
+from conftest import REPO
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kvseal.client import layer_from_array
 from kvseal.errors import InvalidArgument, NotFound
 from kvseal.limits import MAX_LAYERS, MAX_REGISTER_BYTES
 from kvseal.memfd import SharedArray
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
+from kvseal.testing import EngineProcess, free_port, register_one_rank, serve_command
 from kvseal.wire import lane as fq
 
 HASHES = [bytes([i]) * 32 for i in range(8)]
@@ -293,18 +293,9 @@ class Owner:
         self.shared = SharedArray((BLOCKS, SLOT))
         self.shared.array[:] = np.frombuffer(os.urandom(BLOCKS * SLOT), np.uint8).reshape(BLOCKS, SLOT)
         self.client = engine.client()
-        layer = layer_from_array(
-            "model.layers.0.self_attn.attn", self.shared.array, self.shared, layout_tag="cpu-test", dtype="bfloat16"
-        )
-        self.status = self.client.register(
-            instance_id="A",
-            namespace="lane",
-            tp_rank=0,
-            tp_size=1,
-            pp_rank=0,
-            world_size=1,
-            block_size=16,
-            layers=[layer],
+        layers = {"model.layers.0.self_attn.attn": self.shared.array}
+        self.status = register_one_rank(
+            self.client, "A", self.shared, layers, namespace="lane", layout_tag="cpu-test", dtype="bfloat16"
         )
         assert self.status.sealed
         assert self.client.save(("A", 0, 0), HASHES, list(range(len(HASHES)))).completed == len(HASHES)

@@ -13,14 +13,13 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from conftest import EngineProcess, save_blocks
+from conftest import save_blocks
 from prometheus_client.utils import floatToGoString
 
-from kvseal.core.layout import LayerGeometry, LayerRegistration, WorkerRegistration
 from kvseal.engine.engine import Engine, Peer, Session
 from kvseal.engine.lock import HOLD_BUCKETS, TimedLock
-from kvseal.engine.memory import ShmSpec
 from kvseal.memfd import SharedArray
+from kvseal.testing import EngineProcess, register_one_rank
 
 HOLD_S = 0.02  # a hold at least this long: past the 10 ms bucket
 
@@ -99,13 +98,9 @@ STEP = 1000
 def register(engine: Engine, instance: str, slot_bytes: int, blocks: int) -> SharedArray:
     shared = SharedArray((blocks, slot_bytes))
     shared.array[:] = np.random.default_rng(slot_bytes).integers(0, 256, shared.array.shape, dtype=np.uint8)
-    layer = LayerRegistration(
-        LayerGeometry("model.layers.0.attn", "bfloat16", slot_bytes, 1, 0, "test"),
-        blocks,
-        (slot_bytes,),
-        ShmSpec(0, 0, shared.region.size),
+    register_one_rank(
+        engine, instance, shared, namespace=instance, layout_tag="test", dtype="bfloat16", session=SESSION
     )
-    engine.register(WorkerRegistration(instance, instance, 0, 1, 0, 1, 16, (layer,)), SESSION, [shared.fd])
     return shared
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvseal.bench.mooncake import mooncake_tcp_read_gbps
 from kvseal.peer import mooncake as mc
 from kvseal.peer.mooncake import MooncakeDataPlane, MooncakeUnavailable, TransferFailed
-from kvseal.peer.mooncake_bench import mooncake_tcp_read_gbps
 
 REPO = Path(__file__).resolve().parent.parent
 ARENA = 16 << 20

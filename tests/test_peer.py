@@ -17,12 +17,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import EngineProcess, Meta, free_port, wait_until
+from conftest import REPO, Meta, wait_until
 
-from kvseal.client import EngineClient, layer_from_array
+from kvseal.client import EngineClient
 from kvseal.memfd import SharedArray
 from kvseal.peer.client import PeerFetcher
 from kvseal.peer.tcp import TcpDataPlane
+from kvseal.testing import EngineProcess, free_port, register_one_rank
 from kvseal.wire import peer as wire
 
 pytestmark = pytest.mark.process
@@ -46,19 +47,16 @@ class Worker:
         self.instance = instance
         self.shared = SharedArray((layers, num_blocks, block_bytes))
         self.client = EngineClient(engine.target, timeout=30, token=engine.token)
-        specs = [
-            layer_from_array(f"model.layers.{i}.attn", self.shared.array[i], self.shared, layout_tag="t", dtype=dtype)
-            for i in range(layers)
-        ]
-        status = self.client.register(
-            instance_id=instance,
+        views = {f"model.layers.{i}.attn": self.shared.array[i] for i in range(layers)}
+        status = register_one_rank(
+            self.client,
+            instance,
+            self.shared,
+            views,
             namespace=namespace,
-            tp_rank=0,
-            tp_size=1,
-            pp_rank=0,
-            world_size=1,
+            layout_tag="t",
+            dtype=dtype,
             block_size=block_size,
-            layers=specs,
         )
         self.namespace_final = status.namespace_final
 
@@ -404,7 +402,9 @@ def test_a_node_id_is_one_live_engines_and_default_ids_differ_per_engine(
     saved = on_a.save(hs)
     wait_until(lambda: announced(m, on_a.namespace_final, hs) == {"shared": 8}, 20, "A's blocks to be announced")
 
-    second = EngineProcess(tmp_path / "second", ["--metaserver", f"127.0.0.1:{m.port}", "--node-id", "shared"])
+    second = EngineProcess(
+        tmp_path / "second", ["--metaserver", f"127.0.0.1:{m.port}", "--node-id", "shared"], cwd=REPO
+    )
     second.expect_exit = True
     assert second.proc.wait(timeout=60) == 1
     last = second.stderr().strip().splitlines()[-1]

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import EngineProcess, Meta, wait_until
+from conftest import Meta, wait_until
 from test_peer import Worker, announced, hashes, node, workers  # noqa: F401 (workers: a fixture)
 
 from kvseal.peer.server import PeerServer
 from kvseal.peer.tcp import TcpDataPlane
+from kvseal.testing import EngineProcess
 from kvseal.wire import peer as wire
 
 STRANGERS = 2000

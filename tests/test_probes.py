@@ -9,22 +9,19 @@ starts, grpc.health.v1 SERVING on odd ones), a worker registers over the lane, a
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
-from conftest import REPO, free_port, http_get, serve_command
+from conftest import REPO
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvseal.client import EngineClient, layer_from_array
+from kvseal.client import EngineClient
 from kvseal.engine.memory import ShmLayer, ShmSpec, map_shm, plan_shm
 from kvseal.errors import KvsealError
 from kvseal.memfd import SharedArray, new_memfd, seal
-from kvseal.proto import kvseal_pb2 as pb
+from kvseal.testing import EngineProcess, http_get, register_one_rank
 
 pytestmark = pytest.mark.process
 
@@ -47,91 +44,61 @@ def _grpc_serving(stub: health_pb2_grpc.HealthStub) -> bool:
         return False
 
 
-def _start(workdir: Path, i: int) -> tuple[subprocess.Popen[bytes], str, str, Path]:
-    target, http_port = f"127.0.0.1:{free_port()}", free_port()
+def _start(workdir: Path, i: int) -> EngineProcess:
     extra = ["--pool-size", "8MiB", "--no-prefault", "--lane-socket", str(workdir / f"lane{i}.sock")]
-    stderr = workdir / f"engine{i}.stderr"
-    with open(stderr, "wb") as err:
-        proc = subprocess.Popen(
-            serve_command(target, f"127.0.0.1:{http_port}", extra),
-            cwd=REPO,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
-    return proc, target, f"http://127.0.0.1:{http_port}", stderr
+    return EngineProcess(workdir, extra, name=f"engine{i}", cwd=REPO)
 
 
-def _lost_port(proc: subprocess.Popen[bytes], stderr: Path) -> bool:
-    """The engine exited because a port free_port() gave was taken meanwhile (by another test run's process)."""
-    return proc.poll() is not None and b"cannot listen" in stderr.read_bytes()
-
-
-def _probe_and_register(i: int, workdir: Path, layer: pb.LayerSpec, stopping: list[Any]) -> str:
+def _probe_and_register(i: int, workdir: Path, shared: SharedArray, stopping: list[EngineProcess]) -> str:
     """Starts engine `i`, polls it until it says ready, registers at once. '' when that worked, 'lost' when the
     engine could not have its ports, else what went wrong. The engine is left stopping (SIGTERM) in `stopping`."""
-    proc, target, http, stderr = _start(workdir, i)
-    stopping.append((proc, stderr))
+    engine = _start(workdir, i)
+    stopping.append(engine)
     by_http = i % 2 == 0
-    channel = grpc.insecure_channel(target)
+    channel = grpc.insecure_channel(engine.target)
     stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + READY_TIMEOUT_S
     try:
-        while not (_health_ok(http) if by_http else _grpc_serving(stub)):
-            if proc.poll() is not None:
-                return "lost" if _lost_port(proc, stderr) else f"exited with {proc.returncode}: {stderr.read_text()}"
+        while not (_health_ok(engine.http) if by_http else _grpc_serving(stub)):
+            if not engine.alive():
+                return "lost" if engine.lost_port() else f"exited with {engine.proc.returncode}: {engine.stderr()}"
             if time.monotonic() > deadline:
                 return f"not ready after {READY_TIMEOUT_S} s"
             time.sleep(0.002)  # a tight poll: what a replay harness does
-        with EngineClient(target, timeout=10) as client:
+        with EngineClient(engine.target, timeout=10) as client:
             try:
-                status = client.register(
-                    instance_id=f"probe-{i}",
-                    namespace="probe",
-                    tp_rank=0,
-                    tp_size=1,
-                    pp_rank=0,
-                    world_size=1,
-                    block_size=16,
-                    layers=[layer],
+                status = register_one_rank(
+                    client, f"probe-{i}", shared, namespace="probe", layout_tag="t", dtype="uint8"
                 )
                 lane = client.info().lane_socket
             except KvsealError as e:
-                return "lost" if _lost_port(proc, stderr) else f"{'HTTP' if by_http else 'gRPC'} probe: {e!r}"
+                return "lost" if engine.lost_port() else f"{'HTTP' if by_http else 'gRPC'} probe: {e!r}"
         if not status.sealed or lane != str(workdir / f"lane{i}.sock"):
             return f"sealed {status.sealed}, lane {lane!r}"
-        if not (_health_ok(http) and _grpc_serving(stub)):
+        if not (_health_ok(engine.http) and _grpc_serving(stub)):
             return "the probes disagree"
         return ""
     finally:
         channel.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # it stops while the next one starts
+        engine.terminate()  # it stops while the next one starts
 
 
 def test_a_worker_registering_the_instant_the_engine_says_ready_always_succeeds(tmp_path: Path) -> None:
     shared = SharedArray((4, 4096))
-    layer = layer_from_array("model.layers.0.attn", shared.array, shared, layout_tag="t", dtype="uint8")
-    stopping: list[tuple[subprocess.Popen[bytes], Path]] = []
+    stopping: list[EngineProcess] = []
     try:
-        outcomes = [_probe_and_register(i, tmp_path, layer, stopping) for i in range(STARTS)]
+        outcomes = [_probe_and_register(i, tmp_path, shared, stopping) for i in range(STARTS)]
     finally:
-        for proc, _ in stopping:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGUSR1)  # the engine writes every thread's stack to its stderr
-                time.sleep(1.0)  # for faulthandler to write it
-                proc.kill()
-                proc.wait()
+        for engine in stopping:
+            engine.stop(dump_stacks=True)  # one that hangs writes every thread's stack to its stderr first
         shared.close()
     failures = [f"start {i}: {o}" for i, o in enumerate(outcomes) if o not in ("", "lost")]
     assert not failures, f"{len(failures)} of {STARTS} registrations failed:\n" + "\n".join(failures)
     assert outcomes.count("") >= STARTS - 5, outcomes  # ports lost to other processes: a few at most
-    for proc, stderr in stopping:
-        text = stderr.read_text()
+    for engine in stopping:
+        text = engine.stderr()
         assert "Traceback" not in text, text
-        assert proc.returncode == 0 or "cannot listen" in text, (proc.returncode, text)
+        assert engine.proc.returncode == 0 or "cannot listen" in text, (engine.proc.returncode, text)
 
 
 # -------------------------------------------------------------------- what registering maps (issue 19, item 11)

@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import REPO, EngineProcess, free_port, serve_command, wait_until
+from conftest import REPO, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from workers import LayerDef, Worker, attn_layers
 
@@ -26,6 +26,7 @@ from kvseal import memfd
 from kvseal.client import EngineClient
 from kvseal.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated
 from kvseal.proto import kvseal_pb2 as pb
+from kvseal.testing import EngineProcess, free_port, serve_command
 
 pytestmark = pytest.mark.process
 

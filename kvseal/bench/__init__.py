@@ -1,4 +1,15 @@
-"""Benchmarks. They print figures and ratios against a ceiling measured in the same run; they never assert.
+"""Benchmarks. They print figures and ratios against a ceiling measured in the same run; they never assert. Each is
+run by `kvseal bench NAME` (kvseal/bench/README.md says what each measures):
 
-kvseal bench engine [--quick]      # kvseal.bench.engine: save/load GB/s vs memcpy, query latency, metadata
+kvseal bench engine [--quick] [--plot FILE.png]   # kvseal.bench.engine: save/load GB/s vs memcpy, query latency
+kvseal bench ssd [--quick] [--dir DIR]            # kvseal.bench.ssd: the SSD tier vs dd, recovery time
+kvseal bench peer [--quick]                       # kvseal.bench.peer: peer fetch vs memcpy, Mooncake, loopback TCP
+kvseal bench cuda [--quick]                       # kvseal.bench.cuda: CUDA KV vs pinned cudaMemcpy (a GPU)
+kvseal bench store_ops [--quick]                  # kvseal.bench.store_ops: the store's hot calls, in-process
+kvseal bench vllm_ttft [...]                      # kvseal.bench.vllm_ttft: vLLM TTFT with kvseal, none, Example
+kvseal bench pd [...]                             # kvseal.bench.pd: prefill/decode through kvseal router
+kvseal bench mooncake [NBYTES]                    # kvseal.bench.mooncake: Mooncake's own TCP read
+
+Processes they run separately: `python -m kvseal.bench.vllm_ttft_run` (one vLLM run), `python -m
+kvseal.bench.vllm_ttft_model OUTDIR` (builds the model), `python -m kvseal.bench.mooncake --serve NBYTES`.
 """

@@ -28,9 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvseal.bench.engine import EngineProcess, Hashes, free_port
+from kvseal.bench.engine import START_TIMEOUT_S, Hashes, start_engine
 from kvseal.client import EngineClient, layer_from_tensor
 from kvseal.errors import KvsealError
+from kvseal.testing.process import EngineProcess
 
 GiB, MiB = 1 << 30, 1 << 20
 LAYERS, HEADS, HEAD_DIM, BLOCK_TOKENS = 32, 8, 128, 16
@@ -61,11 +62,10 @@ def main(quick: bool = False) -> int:
 
 
 def _run(torch: Any, tmp: Path, reps: int) -> dict[str, Any]:
-    port, http = free_port(), free_port()
-    engine = EngineProcess(tmp, "engine", f"127.0.0.1:{port}", http, POOL, extra=["--log-level", "INFO"])
+    engine = start_engine(tmp, "engine", POOL, extra=["--log-level", "INFO"])
     try:
-        client = EngineClient(f"127.0.0.1:{port}", timeout=60.0)
-        start = engine.wait_ready(client)
+        start = engine.wait_ready(START_TIMEOUT_S)
+        client = EngineClient(engine.target, timeout=60.0)
         print(f"engine serving after {start:.1f} s (pool {POOL // GiB} GiB, pre-faulted)")
         return _measure(torch, engine, client, reps)
     except Exception:

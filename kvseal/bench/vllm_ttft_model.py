@@ -1,7 +1,7 @@
-"""The benchmark model of bench/vllm_ttft.py: a Llama with random weights and a BPE tokenizer trained here on
-synthetic text, so nothing is downloaded.
+"""The benchmark model of `kvseal bench vllm_ttft` and `kvseal bench pd`: a Llama with random weights and a BPE
+tokenizer trained here on synthetic text, so nothing is downloaded.
 
-    python bench/vllm_ttft_model.py OUTDIR
+    python -m kvseal.bench.vllm_ttft_model OUTDIR
 
 Shape (SHAPE below): hidden 1024, 8 layers, 16 heads of 64, 4 KV heads, MLP 2816, vocabulary 32000, untied
 LM head: 90 M parameters in the layers plus 2 x 32.8 M in the embedding and the LM head (156 M in all; a prefill

@@ -1,6 +1,6 @@
 """Bookkeeping micro-benchmark: µs per block of the store's and the engine's hot calls, in-process, 1 thread.
 
-    python bench/store_ops.py [--quick]
+    kvseal bench store_ops [--quick]
 
 store      BlockStore alone (no bytes move), 1 KiB pages, at 256 and 8192 blocks per call:
              begin_save (carve)   into a fresh pool: every page id is new
@@ -19,7 +19,6 @@ Figures are medians over repetitions (best in brackets). Nothing is asserted.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import statistics
@@ -28,11 +27,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvseal.core.layout import LayerGeometry, LayerRegistration, WorkerRegistration, build_layout
+from kvseal.core.layout import LayerGeometry, build_layout
 from kvseal.core.store import BlockStore
 from kvseal.engine.engine import Engine, Peer, Session
-from kvseal.engine.memory import ShmSpec
 from kvseal.memfd import SharedArray
+from kvseal.testing.worker import register_one_rank
 
 BATCHES = (256, 8192)
 MiB = 1 << 20
@@ -147,21 +146,17 @@ def engine_ops(n: int, reps: int) -> Samples:
     session = Session(Peer(uid=os.getuid(), pid=os.getpid(), privileged=True))
     try:
         engine = Engine(max(64 * MiB, 4 * n * page * (reps + 2)), prefault=True)
-        reg = WorkerRegistration(
-            instance_id="bench",
+        layers = {"model.layers.0.attn": shared.array.reshape(num_blocks, page)}
+        register_one_rank(
+            engine,
+            "bench",
+            shared,
+            layers,
             namespace="bench",
-            tp_rank=0,
-            tp_size=1,
-            pp_rank=0,
-            world_size=1,
-            block_size=16,
-            layers=(
-                LayerRegistration(
-                    geometry("model.layers.0.attn", page), num_blocks, (page,), ShmSpec(0, 0, shared.region.size)
-                ),
-            ),
+            layout_tag="bench.cpu",
+            dtype="bfloat16",
+            session=session,
         )
-        engine.register(reg, session, [shared.fd])
         worker = ("bench", 0, 0)
         hashes = Hashes()
         out = Samples()
@@ -208,9 +203,3 @@ def main(quick: bool = False) -> int:
         f"{longest * 1e3:.2f} ms (one engine-lock hold)"
     )
     return 0
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions and a 64k-page stall, < 10 s")
-    sys.exit(main(quick=parser.parse_args().quick))

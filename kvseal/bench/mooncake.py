@@ -1,7 +1,7 @@
-"""Mooncake Transfer Engine's own TCP read between two processes on loopback: the reference `kvseal bench peer`
-sets kvseal's peer fetch against, measured in the same run on the same bytes.
+"""`kvseal bench mooncake [NBYTES]`: Mooncake Transfer Engine's own TCP read between two processes on loopback, the
+reference `kvseal bench peer` sets kvseal's peer fetch against, measured in the same run on the same bytes.
 
-A child process (`python -m kvseal.peer.mooncake_bench --serve NBYTES`) maps an arena of NBYTES, fills it, starts a
+A child process (`python -m kvseal.bench.mooncake --serve NBYTES`) maps an arena of NBYTES, fills it, starts a
 MooncakeDataPlane on 127.0.0.1 and prints its offer; the parent reads the whole arena with one Mooncake batch of
 `page_bytes` pages, `repeats` times, and keeps the best rate. The timed part is Mooncake's own
 `batch_transfer_sync_read`, nothing of kvseal's around it.
@@ -67,7 +67,7 @@ def mooncake_tcp_read_gbps(nbytes: int, page_bytes: int, repeats: int = 3) -> fl
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     child = subprocess.Popen(
-        [sys.executable, "-m", "kvseal.peer.mooncake_bench", "--serve", str(nbytes)],
+        [sys.executable, "-m", "kvseal.bench.mooncake", "--serve", str(nbytes)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -110,11 +110,16 @@ def mooncake_tcp_read_gbps(nbytes: int, page_bytes: int, repeats: int = 3) -> fl
             child.stdout.close()
 
 
+def main(nbytes: int = 256 << 20) -> int:
+    """Prints the rate of reading `nbytes` in one page, in 2 MiB pages and in 128 KiB pages (those that divide it)."""
+    for page in (nbytes, 2 << 20, 128 << 10):
+        if nbytes % page == 0:
+            print(f"{nbytes} bytes in {page}-byte pages: {mooncake_tcp_read_gbps(nbytes, page):.2f} GB/s")
+    return 0
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--serve":
         _serve(int(sys.argv[2]))
     else:
-        nbytes = int(sys.argv[1]) if len(sys.argv) > 1 else 256 << 20
-        for page in (nbytes, 2 << 20, 128 << 10):
-            if nbytes % page == 0:
-                print(f"{nbytes} bytes in {page}-byte pages: {mooncake_tcp_read_gbps(nbytes, page):.2f} GB/s")
+        sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 256 << 20))
