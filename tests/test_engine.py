@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvseal.core.layout import LayerGeometry, LayerRegistration, WorkerRegistration
-from kvseal.engine.engine import SAVE_STEP, Engine, Peer, Session
+from kvseal.engine.engine import SAVE_STEP, Caller, Engine, Session
 from kvseal.engine.memory import CudaSpec
 from kvseal.errors import FailedPrecondition, PermissionDenied
 from kvseal.memfd import SharedArray
@@ -24,7 +24,7 @@ BLOCKS = 64
 WORKER = ("w", 0, 0)
 
 
-SESSION = Session(Peer(uid=os.getuid(), pid=os.getpid(), privileged=True))
+SESSION = Session(Caller(uid=os.getuid(), pid=os.getpid(), privileged=True))
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def test_a_save_loads_back_byte_exact(engine: tuple[Engine, np.ndarray], step: i
 
     source = memory[:44].copy()
     memory[:44] = 0
-    q = eng.query("w", hashes(0, 44), SESSION.peer)
+    q = eng.query("w", hashes(0, 44), SESSION.caller)
     assert q.hits == 44
     order = list(range(44))
     order[10:20] = order[19:9:-1]  # load into a scattered order too
@@ -81,7 +81,7 @@ def test_a_failed_copy_stores_nothing(
     engine: tuple[Engine, np.ndarray], step: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     eng, _ = engine
-    (worker,) = eng._instances["w"].workers.values()
+    (worker,) = eng.registry.instances["w"].workers.values()
     assert worker.copier is not None
 
     def failing(block_ids: list[int], offsets: list[int]) -> None:
@@ -90,7 +90,7 @@ def test_a_failed_copy_stores_nothing(
     monkeypatch.setattr(worker.copier, "save", failing)
     with pytest.raises(OSError):
         eng.save(WORKER, hashes(0, 48), list(range(48)), SESSION)
-    assert eng.query("w", hashes(0, 48), SESSION.peer).hits == 0
+    assert eng.query("w", hashes(0, 48), SESSION.caller).hits == 0
     s = eng.store.statistics()
     assert (s.resident_blocks, s.inflight_blocks, s.free_bytes) == (0, 0, s.arena_bytes)
     eng.store.check_invariants()
@@ -106,15 +106,15 @@ def test_another_users_cuda_handle_is_refused_before_it_is_opened(engine: tuple[
     """The driver does not tie a CUDA IPC handle to the process that exported it: a handle from another user could
     name any tenant's GPU memory, so the engine takes them from its own user or root only."""
     eng, _ = engine
-    stranger = Session(Peer(uid=os.getuid() + 4242, pid=1))
+    stranger = Session(Caller(uid=os.getuid() + 4242, pid=1))
     with pytest.raises(PermissionDenied, match="CUDA IPC handles are accepted only from the engine's own user"):
         eng.register(_cuda_registration("stranger"), stranger, [])
-    assert "stranger" not in eng._instances
+    assert "stranger" not in eng.registry.instances
 
 
 def test_a_cuda_handle_on_an_engine_without_a_gpu_says_so(engine: tuple[Engine, np.ndarray]) -> None:
     eng, _ = engine
     with pytest.raises(FailedPrecondition, match="no CUDA device; register shared CPU memory"):
         eng.register(_cuda_registration("gpu"), SESSION, [])
-    assert "gpu" not in eng._instances
+    assert "gpu" not in eng.registry.instances
     eng.store.check_invariants()

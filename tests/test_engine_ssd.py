@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvseal.core.layout import LayerGeometry, LayerRegistration, WorkerRegistration
-from kvseal.engine.engine import Engine, Peer, QueryResult, Session
+from kvseal.engine.engine import Caller, Engine, QueryResult, Session
 from kvseal.engine.memory import ShmSpec
 from kvseal.memfd import SharedArray
 from kvseal.ssd.tier import DiskTier
@@ -21,7 +21,7 @@ from kvseal.testing import MemoryDevice
 
 SLOT = 8192
 BLOCKS = 64
-SESSION = Session(Peer(uid=os.getuid(), pid=os.getpid(), privileged=True))
+SESSION = Session(Caller(uid=os.getuid(), pid=os.getpid(), privileged=True))
 POLL_S = 10.0
 
 
@@ -56,7 +56,7 @@ class Node:
         deadline = time.monotonic() + POLL_S
         loading = 0
         while True:
-            q = self.engine.query(self.worker[0], block_hashes, SESSION.peer, request_id="r1")
+            q = self.engine.query(self.worker[0], block_hashes, SESSION.caller, request_id="r1")
             if not q.loading:
                 return q, loading
             assert q.hits == 0 and q.lease_id == 0
@@ -124,15 +124,14 @@ def test_a_prefix_that_continues_on_ssd_loads_as_one_hit(device: MemoryDevice, n
     node.save(hs)
     # fill the pool with other blocks, touching the first 10 in between: the other 20 are evicted
     for i in range(10):
-        touch = node.engine.query("w", hs[:10], SESSION.peer)
-        node.engine.release("w", touch.lease_id, SESSION.peer)
+        touch = node.engine.query("w", hs[:10], SESSION.caller)
+        node.engine.release("w", touch.lease_id, SESSION.caller)
         node.save(hashes(f"filler{i}-", BLOCKS))
-    resident = node.engine.store.query(
-        node.engine._instances["w"].ns_id, node.engine._instances["w"].sealed.layout, hs, owner="t", shares=1
-    )
+    inst = node.engine.registry.instances["w"]
+    resident = node.engine.store.query(inst.ns_id, inst.sealed.layout, hs, owner="t", shares=1)
     node.engine.store.release(resident.lease_id, "t")
     assert resident.hits == 10
-    assert node.engine.query("w", hs, SESSION.peer).loading
+    assert node.engine.query("w", hs, SESSION.caller).loading
     q, _ = node.query(hs)
     assert q.hits == 30
     assert np.array_equal(node.load(hs, q.lease_id), saved)
@@ -185,7 +184,7 @@ def test_another_layout_never_refills_from_these_records(device: MemoryDevice, n
     fp16 = SharedArray((BLOCKS, SLOT))  # same bytes per block, another dtype: another final namespace
     try:
         register_instance(node.engine, "x", "float16", fp16)
-        q = node.engine.query("x", hs, SESSION.peer)
+        q = node.engine.query("x", hs, SESSION.caller)
         assert (q.hits, q.loading) == (0, False)
         assert len(node.tier.namespaces()) == 1
     finally:

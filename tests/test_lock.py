@@ -16,7 +16,7 @@ import pytest
 from conftest import save_blocks
 from prometheus_client.utils import floatToGoString
 
-from kvseal.engine.engine import Engine, Peer, Session
+from kvseal.engine.engine import Caller, Engine, Session
 from kvseal.engine.lock import HOLD_BUCKETS, TimedLock
 from kvseal.memfd import SharedArray
 from kvseal.testing import EngineProcess, register_one_rank
@@ -89,7 +89,7 @@ def test_a_block_that_raises_is_timed_and_releases() -> None:
 
 # ------------------------------------------------------------------------------------------ the engine
 
-SESSION = Session(Peer(uid=os.getuid(), pid=os.getpid(), privileged=True))
+SESSION = Session(Caller(uid=os.getuid(), pid=os.getpid(), privileged=True))
 SLAB = 1 << 20
 TINY_PAGES = SLAB // 64  # 16384 pages of 64 bytes fill the pool's one slab
 STEP = 1000
@@ -147,7 +147,7 @@ def test_a_save_that_needs_another_class_slab_empties_it_in_separate_holds(
 def test_tick_finishes_a_slab_a_refill_began_emptying(full_engine: Engine) -> None:
     engine = full_engine
     store = engine.store
-    ns_big = engine._instances["big"].ns_id
+    ns_big = engine.registry.instances["big"].ns_id
     layout = store.layout_of(ns_big)
     with engine._lock:  # as a refill does: begin_save alone, under the lock, spends one step
         plan = store.begin_save(ns_big, layout, [b"big" * 8], 1)

@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvseal.core.eviction import Eviction
+from kvseal.core.index import ChangeLog, Namespaces
 from kvseal.core.layout import LayerGeometry, Layout, build_layout
-from kvseal.core.store import DRAIN_PASSES, INFLIGHT, SEALED, BlockIndex, BlockStore, LoadPlan, SavePlan
+from kvseal.core.pages import PageTable
+from kvseal.core.slabs import Slabs
+from kvseal.core.store import (
+    DRAIN_PASSES,
+    FREE,
+    INFLIGHT,
+    SEALED,
+    BlockIndex,
+    BlockStore,
+    LoadPlan,
+    PageState,
+    PageStatus,
+    SavePlan,
+)
 from kvseal.errors import NotFound
 from kvseal.testing.clock import FakeClock
 
@@ -49,9 +65,19 @@ def save(store: BlockStore, ns: int, layout: Layout, hashes: list[bytes], tp_ran
     return plan
 
 
+def index(store: BlockStore, ns: int) -> BlockIndex:
+    return store.namespace_stats()[ns][0].index
+
+
 def resident(store: BlockStore, ns: int) -> dict[bytes, int]:
     """hash -> state, for every page in the namespace's index."""
-    return {k: store._state[pid] for k, pid in store._namespaces[ns].index.items()}
+    return {k: store.state_of(pid).state for k, pid in index(store, ns).items()}
+
+
+def pid_of(store: BlockStore, ns: int, block_hash: bytes) -> int:
+    pid = store.page(ns, block_hash)
+    assert pid is not None
+    return pid
 
 
 def check(store: BlockStore) -> None:
@@ -297,7 +323,7 @@ def test_a_lease_ends_when_every_worker_consumed_its_share(full_pool: tuple[Bloc
     lease = store.query(ns, TP1, [h(0), h(1)], "inst", shares=2)
     plan = store.begin_load(ns, TP1, [h(0), h(1)], lease_id=lease.lease_id, owner="inst", worker_key=(0, 0))
     assert plan.outcome == "loaded" and plan.lease_id == lease.lease_id
-    assert [pid for pid, _ in plan.entries] == [store._namespaces[ns].index[h(0)], store._namespaces[ns].index[h(1)]]
+    assert [pid for pid, _ in plan.entries] == [pid_of(store, ns, h(0)), pid_of(store, ns, h(1))]
     store.finish_load(plan)
     assert store.lease(lease.lease_id) is not None
     # the same worker loading again does not count twice
@@ -339,7 +365,7 @@ def test_release_owner_ends_every_lease_of_the_instance(full_pool: tuple[BlockSt
     a = store.query(ns, TP1, [h(0)], "inst", 2)
     b = store.query(ns, TP1, [h(0), h(1)], "inst", 2)
     other = store.query(ns, TP1, [h(2)], "other", 1)
-    assert store._pins[store._namespaces[ns].index[h(0)]] == 2
+    assert store.state_of(pid_of(store, ns, h(0))).pins == 2
     assert store.release_owner("inst") == 2
     assert store.release_owner("inst") == 0
     assert store.lease(a.lease_id) is None and store.lease(b.lease_id) is None
@@ -419,14 +445,14 @@ def test_cross_class_eviction_empties_an_unpinned_slab(clock: FakeClock) -> None
     ns_big = store.namespace("m.big", big)
     save(store, ns_small, small, [h(i) for i in range(4)])  # slab A
     save(store, ns_small, small, [h(i) for i in range(4, 8)])  # slab B
-    slab_of = {k: store._slab_of[pid] for k, pid in store._namespaces[ns_small].index.items()}
+    slab_of = {k: store.state_of(pid).slab for k, pid in index(store, ns_small).items()}
     assert len({slab_of[h(i)] for i in range(4)}) == 1 and slab_of[h(0)] != slab_of[h(4)]
     lease = store.query(ns_small, small, [h(1)], "inst", 1)  # slab A has a pinned page
 
     plan = store.begin_save(ns_big, big, [h(100)], 1)
     assert plan.not_stored == 0 and len(plan.entries) == 1
     assert set(resident(store, ns_small)) == {h(0), h(1), h(2), h(3)}  # the whole of slab B went
-    assert store._slab_of[plan.entries[0][1]] == slab_of[h(4)]
+    assert store.state_of(plan.entries[0][1]).slab == slab_of[h(4)]
     assert store.statistics().evictions == 4
     store.finish_save(plan, ok=True)
     check(store)
@@ -480,7 +506,7 @@ def test_a_repeated_hash_is_pinned_per_mention_and_relinked_once(full_pool: tupl
     store, ns = full_pool
     lease = store.query(ns, TP1, [h(1), h(1), h(0)], "inst", 1)
     assert lease.hits == 3
-    assert store._pins[store._namespaces[ns].index[h(1)]] == 2
+    assert store.state_of(pid_of(store, ns, h(1))).pins == 2
     assert store.statistics().pinned_blocks == 2 and store.lru_order(TP1.page_bytes) == [h(2), h(3)]
     load = store.begin_load(ns, TP1, [h(0), h(2), h(0)])
     check(store)
@@ -518,7 +544,7 @@ def test_free_slab_goes_back_to_the_pool(clock: FakeClock) -> None:
     plan = store.begin_save(ns, TP1, [h(i) for i in range(8)], 1)
     assert len(plan.entries) == 8
     store.finish_save(plan, ok=False)
-    assert store._free_slabs and len(store._free_slabs) == 2
+    assert store.slab_statistics().free_slabs == 2
     big = build_layout(16, 1, [geo("a", 4000)])
     ns_big = store.namespace("m.big", big)
     assert save(store, ns_big, big, [h(1), h(2)]).not_stored == 0
@@ -615,11 +641,12 @@ def tiny_pool(clock: FakeClock) -> tuple[BlockStore, int, int, list[bytes]]:
 
 def step(store: BlockStore, ns: int, layout: Layout, hashes: list[bytes]) -> bool:
     """One reclaim() call, checked: it looks at no more than STEP page ids and evicts no more than STEP pages."""
-    evictions, slab, at = store.statistics().evictions, store.reclaiming(), store._drain_at
+    evictions, slab, at = store.statistics().evictions, store.reclaiming(), store.slab_statistics().drain_at
     more = store.reclaim(ns, layout, hashes)
     assert store.statistics().evictions - evictions <= STEP
     if store.reclaiming() >= 0 and store.reclaiming() == slab:
-        assert 0 < store._drain_at - at <= STEP or store._drain_at < at  # within the pass, or a new pass began
+        now = store.slab_statistics().drain_at
+        assert 0 < now - at <= STEP or now < at  # within the pass, or a new pass began
     check(store)
     return more
 
@@ -650,13 +677,13 @@ def test_pages_pinned_or_written_during_the_steps_stay_until_a_later_pass(clock:
     # the tiny class, with no slab to take, reuses its own least recently used pages in place (pages of the slab
     # being emptied): they are inflight while the copy runs, and sealed afterwards
     writing = store.begin_save(ns_tiny, TINY, [h(9000), h(9001)], 1)
-    assert len(writing.pages) == 2 and store._state[writing.pages[0]] == INFLIGHT
+    assert len(writing.pages) == 2 and store.state_of(writing.pages[0]).state == INFLIGHT
     check(store)
-    while store.reclaiming() >= 0 and store._drain_pass == 1:
+    while store.reclaiming() >= 0 and store.slab_statistics().drain_pass == 1:
         assert step(store, ns_big, BIG, [h(5000)])
     # the first pass is over: the pinned page and the two being written are still there
     assert set(resident(store, ns_tiny)) == {tiny[500], h(9000), h(9001)}
-    assert store._state[store._namespaces[ns_tiny].index[tiny[500]]] == SEALED
+    assert store.state_of(pid_of(store, ns_tiny, tiny[500])).state == SEALED
     store.finish_save(writing, ok=True)
     store.release(ahead.lease_id, "inst")
     while step(store, ns_big, BIG, [h(5000)]):
@@ -694,9 +721,10 @@ def test_a_drain_gives_up_after_its_passes(clock: FakeClock) -> None:
     b = store.query(ns_tiny, TINY, [tiny[1023]], "other", 1)
     passes = [1]
     while step(store, ns_big, BIG, [h(5000)]):
-        if store.reclaiming() >= 0 and store._drain_pass not in passes:
-            passes.append(store._drain_pass)
-            if store._drain_pass == 2:  # the second pass finds one of the two pages free, the third none
+        drain_pass = store.slab_statistics().drain_pass
+        if store.reclaiming() >= 0 and drain_pass not in passes:
+            passes.append(drain_pass)
+            if drain_pass == 2:  # the second pass finds one of the two pages free, the third none
                 store.release(a.lease_id, "inst")
     assert passes == list(range(1, DRAIN_PASSES + 1)) and store.reclaiming() == -1
     assert list(resident(store, ns_tiny)) == [tiny[1023]] and store.statistics().evictions == 1023
@@ -766,6 +794,14 @@ class ModelLease:
 
 
 @dataclass
+class ModelSave:
+    instance: str
+    plan: SavePlan
+    hashes: list[bytes]
+    refill: bool
+
+
+@dataclass
 class ModelLoad:
     instance: str
     plan: LoadPlan
@@ -778,10 +814,11 @@ class StoreMachine(RuleBasedStateMachine):
         self.clock = FakeClock()
         self.store = make_store(n_slabs * SLAB, SLAB, self.clock, reclaim_step_pages=reclaim_step)
         self.ns = {name: self.store.namespace(nsf, lay) for name, (lay, nsf, _) in INSTANCES.items()}
-        self.saves: list[tuple[str, SavePlan, list[bytes]]] = []
+        self.saves: list[ModelSave] = []
         self.loads: list[ModelLoad] = []
         self.leases: dict[int, ModelLease] = {}
         self.written: dict[tuple[int, bytes, int], int] = {}  # (ns, hash, page id) -> cells written successfully
+        self.refilling: set[int] = set()  # pages begin_refill marked and no finish/abandon_refill unmarked since
 
     # -- model helpers
 
@@ -797,7 +834,7 @@ class StoreMachine(RuleBasedStateMachine):
             del self.leases[lease_id]
 
     def index(self, instance: str) -> BlockIndex:
-        return self.store._namespaces[self.ns[instance]].index
+        return index(self.store, self.ns[instance])
 
     # -- rules
 
@@ -808,35 +845,61 @@ class StoreMachine(RuleBasedStateMachine):
         plan = self.store.begin_save(self.ns[instance], layout, hashes, cells)
         self.expired()
         assert len(plan.entries) + plan.skipped + plan.not_stored == len(hashes)
-        self.saves.append((instance, plan, hashes))
+        self.saves.append(ModelSave(instance, plan, hashes, refill=False))
+
+    @rule(instance=instances, hashes=hash_lists)
+    def begin_refill(self, instance: str, hashes: list[bytes]) -> None:
+        """Blocks read back from SSD or a peer: every cell at once, the pages marked as refilling."""
+        layout = INSTANCES[instance][0]
+        plan = self.store.begin_refill(self.ns[instance], layout, hashes, (1 << layout.num_slots) - 1)
+        self.expired()
+        assert len(plan.entries) + plan.skipped + plan.not_stored == len(hashes)
+        assert all(self.store.refilling(pid) for pid in plan.pages)
+        self.refilling.update(plan.pages)
+        self.saves.append(ModelSave(instance, plan, hashes, refill=True))
+
+    @precondition(lambda self: any(save.refill for save in self.saves))
+    @rule(i=st.integers(0, 100))
+    def abandon_refill(self, i: int) -> None:
+        """A refill whose transfer timed out: its pages stop refilling but stay reserved until it finishes."""
+        refills = [save for save in self.saves if save.refill]
+        plan = refills[i % len(refills)].plan
+        self.store.abandon_refill(plan)
+        self.refilling.difference_update(plan.pages)
+        assert not any(self.store.refilling(pid) for pid in plan.pages)
 
     @precondition(lambda self: self.saves)
     @rule(i=st.integers(0, 100), ok=st.booleans())
     def finish_save(self, i: int, ok: bool) -> None:
-        instance, plan, hashes = self.saves.pop(i % len(self.saves))
+        save = self.saves.pop(i % len(self.saves))
+        plan = save.plan
         if ok:
             for index, pid, _ in plan.entries:
-                key = (plan.namespace_id, hashes[index], pid)
+                key = (plan.namespace_id, save.hashes[index], pid)
                 self.written[key] = self.written.get(key, 0) | plan.cell_mask
-        self.store.finish_save(plan, ok)
+        if save.refill:
+            sealed = self.store.finish_refill(plan, ok)
+            self.refilling.difference_update(plan.pages)
+        else:
+            sealed = self.store.finish_save_pages(plan, ok)
+        assert set(sealed) <= set(plan.pages) and all(self.store.state_of(pid).state == SEALED for pid in sealed)
 
     @rule(instance=instances, hashes=hash_lists, shares=st.integers(1, 2), ttl=st.sampled_from((None, 5.0)))
     def query(self, instance: str, hashes: list[bytes], shares: int, ttl: float | None) -> None:
         layout = INSTANCES[instance][0]
         ns = self.ns[instance]
-        index = self.index(instance)
         result = self.store.query(ns, layout, hashes, instance, shares, ttl)
         self.expired()
         expected = 0
         for block_hash in hashes:
-            pid = index.get(block_hash)
-            if pid is None or self.store._state[pid] != SEALED:
+            pid = self.store.page(ns, block_hash)
+            if pid is None or self.store.state_of(pid).state != SEALED:
                 break
             expected += 1
         assert result.hits == expected
         if result.hits:
             assert result.lease_id not in self.leases
-            pinned = [(b, index[b]) for b in hashes[: result.hits]]
+            pinned = [(b, pid_of(self.store, ns, b)) for b in hashes[: result.hits]]
             deadline = self.clock() + (LEASE_TTL if ttl is None else ttl)
             self.leases[result.lease_id] = ModelLease(instance, ns, pinned, shares, deadline)
         else:
@@ -854,8 +917,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.expired()
         assert plan.outcome in ("loaded", "missing")
         assert (plan.outcome == "loaded") == (len(plan.entries) == len(hashes))
-        index = self.index(instance)
-        pinned = [(b, index[b]) for b in hashes[: len(plan.entries)]]
+        pinned = [(b, pid_of(self.store, self.ns[instance], b)) for b in hashes[: len(plan.entries)]]
         assert [pid for _, pid in pinned] == [pid for pid, _ in plan.entries]
         self.loads.append(ModelLoad(instance, plan, pinned))
 
@@ -887,6 +949,16 @@ class StoreMachine(RuleBasedStateMachine):
         for i in ours:
             del self.leases[i]
 
+    @rule(instance=instances)
+    def purge(self, instance: str) -> None:
+        """Exactly the namespace's sealed unpinned pages go; pinned and inflight ones stay."""
+        before = dict(self.index(instance).items())
+        evictable = {b for b, pid in before.items() if (s := self.store.state_of(pid)).state == SEALED and not s.pins}
+        freed, left = self.store.purge(self.ns[instance])
+        after = dict(self.index(instance).items())
+        assert set(before) - set(after) == evictable and freed == len(evictable) and left == len(after)
+        assert all(after[b] == before[b] for b in after)
+
     @rule()
     def settle(self) -> None:
         """Every open save and load finishes and every lease is released: slabs can be emptied again."""
@@ -907,12 +979,13 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule()
     def reclaim_step(self) -> None:
-        evictions, at = self.store.statistics().evictions, self.store._drain_at
+        evictions, at = self.store.statistics().evictions, self.store.slab_statistics().drain_at
         draining = self.store.reclaiming()
         assert self.store.reclaim_step() == (self.store.reclaiming() >= 0)
         assert self.store.statistics().evictions - evictions <= self.store.reclaim_step_pages
-        if draining >= 0 and self.store.reclaiming() == draining and self.store._drain_at > at:
-            assert self.store._drain_at - at <= self.store.reclaim_step_pages
+        now = self.store.slab_statistics().drain_at
+        if draining >= 0 and self.store.reclaiming() == draining and now > at:
+            assert now - at <= self.store.reclaim_step_pages
 
     @rule(seconds=st.sampled_from((0.5, 4.0, 6.0, 31.0, 61.0)))
     def advance(self, seconds: float) -> None:
@@ -928,7 +1001,60 @@ class StoreMachine(RuleBasedStateMachine):
         s = self.store.statistics()
         assert s.free_bytes + s.inflight_bytes + s.sealed_bytes == s.arena_bytes
         assert s.leases == len(self.leases)
-        assert set(self.store._leases) == set(self.leases)
+        assert all(self.store.lease(lease_id) is not None for lease_id in self.leases)
+
+    @invariant()
+    def every_page_state_agrees(self) -> None:
+        """Walks state_of over every page carved from a slab: the pins are exactly the model's leases and loads, the
+        indexes hold exactly the pages in use, the LRU rings exactly the sealed unpinned pages, the slabs count
+        exactly their pages in use, and the refill flags are exactly those the model set."""
+        store = self.store
+        pins = Counter(pid for lease in self.leases.values() for _, pid in lease.pinned)
+        pins.update(pid for load in self.loads for _, pid in load.pinned)
+        in_use: dict[int, PageState] = {}
+        used, busy = Counter[int](), Counter[int]()
+        evictable, flagged = set(), set()
+        for pid in store.page_ids():
+            page = store.state_of(pid)
+            assert page.page == pid and page.writers >= 0
+            assert page.pins == pins.get(pid, 0)  # and so never negative
+            if page.refill:
+                flagged.add(pid)
+            if page.state == FREE:
+                assert page.pins == page.writers == 0 and page.block_hash is None and not page.refill
+                continue
+            in_use[pid] = page
+            used[page.slab] += 1
+            if page.state == INFLIGHT:
+                assert page.pins == 0
+                busy[page.slab] += 1
+            elif page.pins:
+                assert page.writers == 0 and not page.refill
+                busy[page.slab] += 1
+            else:
+                evictable.add(pid)
+        indexed = {pid: (self.ns[name], b) for name in INSTANCES for b, pid in self.index(name).items()}
+        assert indexed == {pid: (page.namespace_id, page.block_hash) for pid, page in in_use.items()}
+        for ns in self.ns.values():
+            sealed = {p.block_hash for p in in_use.values() if p.namespace_id == ns and p.state == SEALED}
+            assert set(store.sealed_hashes(ns)) == sealed
+        ring = [
+            store.page(self.ns[name], b)
+            for name, (layout, _, _) in INSTANCES.items()
+            for b in store.lru_order(layout.page_bytes)
+        ]  # one namespace per size class here
+        assert len(ring) == len(set(ring)) and set(ring) == evictable
+        slabs = store.slab_statistics()
+        assert slabs.used == tuple(used[s] for s in range(store.n_slabs))
+        assert slabs.busy == tuple(busy[s] for s in range(store.n_slabs))
+        # a slab serves a class (page_bytes > 0) exactly while it has pages in use; the others are free
+        assert [size > 0 for size in slabs.page_bytes] == [n > 0 for n in slabs.used]
+        assert slabs.free_slabs == slabs.page_bytes.count(0)
+        assert flagged == self.refilling and flagged <= {pid for pid, p in in_use.items() if p.state == INFLIGHT}
+        s = store.statistics()
+        assert s.resident_blocks == sum(p.state == SEALED for p in in_use.values())
+        assert s.inflight_blocks == sum(p.state == INFLIGHT for p in in_use.values())
+        assert s.pinned_blocks == sum(1 for p in in_use.values() if p.pins)
 
     @invariant()
     def pinned_pages_stay(self) -> None:
@@ -936,18 +1062,17 @@ class StoreMachine(RuleBasedStateMachine):
         pinned += [(load.instance, b, pid) for load in self.loads for b, pid in load.pinned]
         for instance, block_hash, pid in pinned:
             assert self.index(instance).get(block_hash) == pid
-            assert self.store._state[pid] == SEALED
-            assert self.store._pins[pid] > 0
+            assert self.store.state_of(pid).state == SEALED
 
     @invariant()
     def open_saves_write_inflight_pages_of_their_hash(self) -> None:
         """A page seals only once no save plan is still copying into it, so a page being written can neither be
         evicted nor recycled for another hash under a writer that has not finished."""
-        for instance, plan, hashes in self.saves:
-            for index, pid, offset in plan.entries:
-                assert self.index(instance).get(hashes[index]) == pid
-                assert self.store._state[pid] == INFLIGHT
-                assert self.store._offset[pid] == offset
+        for save in self.saves:
+            for index, pid, offset in save.plan.entries:
+                page = self.store.state_of(pid)
+                assert self.index(save.instance).get(save.hashes[index]) == pid
+                assert page.state == INFLIGHT and page.offset == offset and page.writers > 0
 
     @invariant()
     def sealed_pages_were_fully_written(self) -> None:
@@ -955,7 +1080,7 @@ class StoreMachine(RuleBasedStateMachine):
             ns = self.ns[instance]
             full = (1 << layout.num_slots) - 1
             for block_hash, pid in self.index(instance).items():
-                if self.store._state[pid] == SEALED:
+                if self.store.state_of(pid).state == SEALED:
                     assert self.written.get((ns, block_hash, pid), 0) == full
 
 
@@ -1005,3 +1130,165 @@ def test_tracked_changes_replayed_give_exactly_the_resident_blocks(clock: FakeCl
     replay()
     assert model == set()
     check(store)
+
+
+# ------------------------------------------------------------------------------------------ page states and refills
+
+
+def test_state_of_reports_each_page(clock: FakeClock) -> None:
+    store = make_store(1 << 16, 1 << 14, clock)
+    ns = store.namespace("m.x", TP2)
+    plan = store.begin_save(ns, TP2, [h(1), h(2)], mask(TP2, 0))
+    store.finish_save(plan, ok=True)
+    a, b = plan.pages
+    assert store.state_of(a) == PageState(a, PageStatus.INFLIGHT, 0, ns, h(1), 0, plan.offsets[0], 0, 0b01, False)
+    store.finish_save(store.begin_save(ns, TP2, [h(1)], mask(TP2, 1)), ok=True)
+    lease = store.query(ns, TP2, [h(1)], "inst", 1)
+    sealed = store.state_of(a)
+    assert (sealed.state, sealed.pins, sealed.block_hash, sealed.cells, sealed.in_use) == (SEALED, 1, h(1), 0, True)
+    store.release(lease.lease_id, "inst")
+    assert store.state_of(a).pins == 0
+    clock.advance(INFLIGHT_TIMEOUT)
+    store.expire()  # h2 never got its second cell
+    free = store.state_of(b)
+    assert (free.state, free.namespace_id, free.block_hash, free.slab, free.in_use) == (FREE, -1, None, -1, False)
+    assert sorted(store.page_ids()) == sorted([a, b])  # the slab carved two pages
+    check(store)
+
+
+def test_a_refill_marks_its_pages_until_it_finishes(clock: FakeClock) -> None:
+    store = make_store(1 << 16, 1 << 14, clock)
+    ns = store.namespace("m.x", TP2)
+    full = (1 << TP2.num_slots) - 1
+    plan = store.begin_refill(ns, TP2, [h(1), h(2), h(3)], full)
+    assert len(plan.pages) == 3
+    assert all(store.refilling(pid) and store.state_of(pid).refill for pid in plan.pages)
+    assert store.query(ns, TP2, [h(1)], "inst", 1).hits == 0  # inflight: not a hit yet
+    kept, dropped = store.split_plan(plan, [True, False, True])
+    assert store.finish_refill(kept, ok=True) == kept.pages
+    assert store.finish_refill(dropped, ok=False) == []
+    assert not any(store.refilling(pid) for pid in plan.pages)
+    assert resident(store, ns) == {h(1): SEALED, h(3): SEALED}
+    assert store.query(ns, TP2, [h(1)], "inst", 1).hits == 1
+    check(store)
+
+
+def test_an_abandoned_refill_keeps_its_pages_until_finished(clock: FakeClock) -> None:
+    store = make_store(1 << 16, 1 << 14, clock)
+    ns = store.namespace("m.x", TP1)
+    plan = store.begin_refill(ns, TP1, [h(1)], 1)
+    store.abandon_refill(plan)  # a transfer that timed out may still write the page: not free yet
+    (pid,) = plan.pages
+    assert not store.refilling(pid) and store.state_of(pid).state == INFLIGHT
+    clock.advance(3 * INFLIGHT_TIMEOUT)
+    store.expire()  # the plan's writer is still open: the page stays
+    assert store.state_of(pid).state == INFLIGHT and store.statistics().inflight_reclaimed == 0
+    assert store.finish_refill(plan, ok=False) == []
+    assert resident(store, ns) == {} and store.statistics().free_bytes == store.arena_bytes
+    check(store)
+
+
+def test_a_refill_joining_a_workers_page_seals_it_when_both_finish(clock: FakeClock) -> None:
+    store = make_store(1 << 16, 1 << 14, clock)
+    ns = store.namespace("m.x", TP2)
+    worker = store.begin_save(ns, TP2, [h(1)], mask(TP2, 0))
+    refill = store.begin_refill(ns, TP2, [h(1)], 0b11)
+    assert refill.pages == worker.pages and store.refilling(refill.pages[0])
+    assert store.finish_save(worker, ok=True) == 0  # the refill still writes the page
+    assert store.state_of(refill.pages[0]).refill
+    assert store.finish_refill(refill, ok=True) == refill.pages
+    assert resident(store, ns) == {h(1): SEALED} and not store.refilling(refill.pages[0])
+    check(store)
+
+
+# ------------------------------------------------------------------------------------------ eviction on its own
+
+
+@dataclass
+class Pool:
+    """The pieces BlockStore wires together, wired the same way, with one namespace of TP1 pages."""
+
+    pages: PageTable
+    namespaces: Namespaces
+    changes: ChangeLog
+    eviction: Eviction
+    slabs: Slabs
+    ns: int
+    c: int
+
+    @classmethod
+    def of(cls, n_slabs: int, slab_bytes: int) -> Pool:
+        pages, namespaces, changes = PageTable(n_slabs), Namespaces(), ChangeLog()
+        eviction = Eviction(pages, namespaces, changes)
+        slabs = Slabs(pages, eviction, n_slabs, slab_bytes)
+        return cls(pages, namespaces, changes, eviction, slabs, namespaces.add("m.x", TP1, 0), slabs.size_class(1024))
+
+    def seal(self, hashes: list[bytes]) -> list[int]:
+        """Sealed pages for `hashes`, the last the most recently used, as BlockStore's save makes them."""
+        pids = self.slabs.allocate(self.c, len(hashes), budget=0)
+        assert len(pids) == len(hashes)
+        self.pages.open(pids, self.ns, hashes, 1, 0.0)
+        self.namespaces[self.ns].index.update(hashes, pids)
+        complete, _ = self.pages.end_writes(pids, 1, 1)
+        self.pages.seal(complete)
+        self.namespaces.count_resident(self.ns, len(complete))
+        return pids
+
+    def check(self) -> None:
+        self.slabs.check(self.pages.check(), self.slabs.n_slabs * self.slabs.slab_bytes)
+        self.namespaces.check(self.pages)
+
+    def snapshot(self) -> tuple[object, ...]:
+        index = self.namespaces[self.ns].index
+        states = [self.pages.state_of(pid) for ids in self.slabs.slab_pages for pid in ids]
+        return dict(index.items()), states, self.pages.lru_pages(self.c), self.eviction.evictions
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pinned=st.sets(st.integers(0, 7)),
+    protected=st.sets(st.integers(0, 7)),
+    n=st.integers(0, 9),
+)
+def test_evict_frees_exactly_n_unprotected_lru_pages_or_changes_nothing(
+    pinned: set[int], protected: set[int], n: int
+) -> None:
+    pool = Pool.of(1, 8 * 1024)
+    hashes = [h(i) for i in range(8)]
+    pids = pool.seal(hashes)  # h0 least recently used
+    pool.pages.pin([pids[i] for i in sorted(pinned)])
+    before, ring = pool.snapshot(), pool.pages.lru_pages(pool.c)
+    candidates = [pids[i] for i in range(8) if i not in pinned and i not in protected]
+    victims = pool.eviction.evict(pool.c, n, {pids[i] for i in protected})
+    if len(candidates) < n:
+        assert victims == [] and pool.snapshot() == before
+        return
+    assert victims == candidates[:n]  # least recently used first, skipping pinned and protected pages
+    assert all(pool.pages.state_of(pid).state == FREE for pid in victims)
+    assert set(pool.namespaces[pool.ns].index.values()) == set(pids) - set(victims)
+    assert pool.pages.lru_pages(pool.c) == [pid for pid in ring if pid not in victims]
+    assert pool.eviction.evictions == n and pool.namespaces[pool.ns].resident_blocks == 8 - n
+    pool.slabs.free(victims)  # the allocator would have reused them; given back, everything balances
+    pool.check()
+
+
+def test_forget_is_the_one_way_out_for_purge_drain_and_lru() -> None:
+    pool = Pool.of(2, 4 * 1024)
+    pool.changes.start()
+    first = pool.seal([h(i) for i in range(4)])  # slab A
+    second = pool.seal([h(i) for i in range(4, 8)])  # slab B
+    pool.changes.take()
+    gone = [first[1], first[3], second[0]]  # out of LRU order, over two slabs
+    pool.eviction.forget(gone, evicted=False)
+    assert pool.changes.take() == [(False, pool.ns, h(1)), (False, pool.ns, h(3)), (False, pool.ns, h(4))]
+    assert pool.eviction.evictions == 0  # a purge is not an eviction
+    assert pool.pages.lru_pages(pool.c) == [first[0], first[2], *second[1:]]
+    assert [h(i) in pool.namespaces[pool.ns].index for i in range(8)] == [True, False, True, False] + [False] + [
+        True
+    ] * 3
+    pool.slabs.free(gone)
+    pool.check()
+    pool.eviction.forget([first[0], first[2]])  # slab A's last pages: it goes back to the pool
+    pool.slabs.free([first[0], first[2]])
+    assert pool.slabs.free_slabs == [pool.pages.slab_of[first[0]]] and pool.eviction.evictions == 2
+    pool.check()

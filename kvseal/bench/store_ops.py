@@ -29,7 +29,7 @@ from typing import Any
 
 from kvseal.core.layout import LayerGeometry, build_layout
 from kvseal.core.store import BlockStore
-from kvseal.engine.engine import Engine, Peer, Session
+from kvseal.engine.engine import Caller, Engine, Session
 from kvseal.memfd import SharedArray
 from kvseal.testing.worker import register_one_rank
 
@@ -143,7 +143,7 @@ def engine_ops(n: int, reps: int) -> Samples:
     page = 64
     num_blocks = 2 * n
     shared = SharedArray((num_blocks * page,))
-    session = Session(Peer(uid=os.getuid(), pid=os.getpid(), privileged=True))
+    session = Session(Caller(uid=os.getuid(), pid=os.getpid(), privileged=True))
     try:
         engine = Engine(max(64 * MiB, 4 * n * page * (reps + 2)), prefault=True)
         layers = {"model.layers.0.attn": shared.array.reshape(num_blocks, page)}
@@ -165,10 +165,10 @@ def engine_ops(n: int, reps: int) -> Samples:
             gc.collect()
             r = out.timed("engine save", engine.save, worker, block_hashes, list(range(n)), session)
             assert r.completed == n
-            q = out.timed("engine query", engine.query, "bench", block_hashes, session.peer)
+            q = out.timed("engine query", engine.query, "bench", block_hashes, session.caller)
             assert q.hits == n
-            out.timed("engine release", engine.release, "bench", q.lease_id, session.peer)
-            q = engine.query("bench", block_hashes, session.peer)
+            out.timed("engine release", engine.release, "bench", q.lease_id, session.caller)
+            q = engine.query("bench", block_hashes, session.caller)
             ids = list(range(n, 2 * n))
             lr = out.timed("engine load (lease)", engine.load, worker, block_hashes, ids, session, q.lease_id)
             assert lr.loaded == n and engine.store.lease(q.lease_id) is None

@@ -204,7 +204,7 @@ class EngineServer:
     @property
     def pool_bytes(self) -> int:
         """The pool's size: --pool-size rounded down to whole slabs."""
-        return self.engine.store.arena_bytes
+        return self.engine.pool_bytes
 
     def _tick(self) -> None:
         while not self._stop.wait(1.0):

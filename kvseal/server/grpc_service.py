@@ -8,7 +8,7 @@ import logging
 import grpc
 
 from kvseal import __version__, auth
-from kvseal.engine.engine import Engine, Peer
+from kvseal.engine.engine import Caller, Engine
 from kvseal.errors import PermissionDenied, Unavailable
 from kvseal.limits import (
     MAX_BLOCKS_PER_REQUEST,
@@ -43,9 +43,9 @@ class EngineService(pb_grpc.EngineServicer):
         self.node_id = ""  # set by the server when it has a MetaServer
         self._trusted = token or unix
 
-    def _peer(self, context: grpc.ServicerContext) -> Peer:
+    def _caller(self, context: grpc.ServicerContext) -> Caller:
         if self._trusted:
-            return Peer(uid=None, privileged=True)
+            return Caller(uid=None, privileged=True)
         address = auth.parse_grpc_peer(context.peer())
         uid = auth.tcp_peer_uid(address[0], address[1], self.port) if address else None
         if not auth.local_uid_allowed(uid):
@@ -53,7 +53,7 @@ class EngineService(pb_grpc.EngineServicer):
                 f"tokenless TCP serves only the engine's user and root (this peer: uid {uid}): workers use the local "
                 "lane (its socket is in Info), other clients the token (kvseal serve --token)"
             )
-        return Peer(uid=uid, privileged=True)
+        return Caller(uid=uid, privileged=True)
 
     @handler
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
@@ -61,7 +61,7 @@ class EngineService(pb_grpc.EngineServicer):
             raise Unavailable("the engine is starting: its lane does not serve yet; ask again")
         return pb.InfoResponse(
             version=__version__,
-            pool_bytes=self.engine.store.arena_bytes,
+            pool_bytes=self.engine.pool_bytes,
             lane_socket=self.lane_socket,
             node_id=self.node_id,
         )
@@ -69,7 +69,7 @@ class EngineService(pb_grpc.EngineServicer):
     @handler
     def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.InstanceStatus:
         check_length("instance_id", request.instance_id, MAX_INSTANCE_ID_CHARS)
-        self._peer(context)
+        self._caller(context)
         return encode_status(self.engine.status(request.instance_id))
 
     @handler
@@ -78,7 +78,7 @@ class EngineService(pb_grpc.EngineServicer):
         check_length("request_id", request.request_id, MAX_REQUEST_ID_CHARS)
         check_length("block_hashes", request.block_hashes, MAX_BLOCKS_PER_REQUEST)  # each hash: the engine
         r = self.engine.query(
-            request.instance_id, request.block_hashes, self._peer(context), request.lease_ttl_ms, request.request_id
+            request.instance_id, request.block_hashes, self._caller(context), request.lease_ttl_ms, request.request_id
         )
         return pb.QueryResponse(
             hits=r.hits,
@@ -91,7 +91,7 @@ class EngineService(pb_grpc.EngineServicer):
     @handler
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         check_length("instance_id", request.instance_id, MAX_INSTANCE_ID_CHARS)
-        self.engine.release(request.instance_id, request.lease_id, self._peer(context))
+        self.engine.release(request.instance_id, request.lease_id, self._caller(context))
         return pb.ReleaseResponse()
 
     @handler
@@ -99,7 +99,7 @@ class EngineService(pb_grpc.EngineServicer):
         check_length("namespace_final", request.namespace_final, MAX_NAMESPACE_FINAL_CHARS)
         check_length("other_namespace_final", request.other_namespace_final, MAX_NAMESPACE_FINAL_CHARS)
         check_length("other_descriptor", request.other_descriptor, MAX_DESCRIPTOR_BYTES)
-        self._peer(context)  # layouts name every tenant's models: privileged callers only, as /v1/namespaces
+        self._caller(context)  # layouts name every tenant's models: privileged callers only, as /v1/namespaces
         diffs, message = self.engine.compare(
             request.namespace_final, request.other_namespace_final, request.other_descriptor
         )

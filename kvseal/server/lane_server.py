@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvseal.core.layout import MAX_NAME_CHARS, LayerGeometry, LayerRegistration, WorkerRegistration, normalize_dtype
-from kvseal.engine.engine import Engine, InstanceStatus, Peer, Session
+from kvseal.engine.engine import Caller, Engine, InstanceStatus, Session
 from kvseal.engine.memory import CudaSpec, ShmSpec
 from kvseal.errors import InvalidArgument, KvsealError, Unauthenticated, translate
 from kvseal.limits import MAX_CUDA_HANDLE_BYTES, MAX_INSTANCE_ID_CHARS, MAX_STRIDES, check_length
@@ -199,8 +199,8 @@ class LaneServer:
     def _add(self, sock: socket.socket) -> None:
         pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
         sock.setblocking(False)
-        peer = Peer(uid=uid, pid=pid, privileged=uid in (os.getuid(), 0))
-        conn = _Conn(sock, Session(peer), authed=self._token is None, last_active=time.monotonic())
+        caller = Caller(uid=uid, pid=pid, privileged=uid in (os.getuid(), 0))
+        conn = _Conn(sock, Session(caller), authed=self._token is None, last_active=time.monotonic())
         with self._lock:
             self._conns[sock.fileno()] = conn
         self._ep.register(sock.fileno(), select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT)
@@ -326,11 +326,11 @@ class LaneServer:
             engine, session = self.engine, conn.session
             if isinstance(request, lane.QueryRequest):
                 q = engine.query(
-                    request.instance_id, request.hashes, session.peer, request.lease_ttl_ms, request.request_id
+                    request.instance_id, request.hashes, session.caller, request.lease_ttl_ms, request.request_id
                 )
                 return lane.encode_query_ok(q.hits, q.lease_id, q.lease_ttl_ms, q.namespace_final, q.loading)
             if isinstance(request, lane.ReleaseRequest):
-                engine.release(request.instance_id, request.lease_id, session.peer)
+                engine.release(request.instance_id, request.lease_id, session.caller)
                 return lane.encode_ok()
             if isinstance(request, lane.SaveRequest):
                 s = engine.save(request.worker, request.hashes, request.block_ids, session)

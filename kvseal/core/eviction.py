@@ -1,0 +1,75 @@
+"""Eviction: which sealed pages stop holding their blocks, and the one way they do (`forget`).
+
+The contract (vLLM kv_offload's): `evict(c, n, protected)` frees exactly n pages of size class c, none of them in
+`protected`, or changes nothing and returns []. Only sealed unpinned pages can go: they are the ones in the class's
+LRU ring (pages.py), so a page that is inflight, pinned by a lease, a load or an SSD write, is never evicted.
+
+The policy is LRU per size class: a hit (a query's lease or a load, once unpinned) or a seal makes a page the most
+recently used; a skipped re-save does not. Evicted pages stay counted as used in their slabs: the allocator
+(slabs.py) reuses them in place for the save that asked, so a page id is never recycled through the slab's free
+list on the way.
+
+`forget(pids)` is the one place a sealed page leaves: the namespace's index, the resident counts, the change log,
+the ring and the page's state (pages.forget). LRU eviction, a slab's drain step and purge all go through it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection, Sequence
+
+from kvseal.core.index import ChangeLog, Namespaces
+from kvseal.core.pages import PageTable
+
+
+class Eviction:
+    def __init__(self, pages: PageTable, namespaces: Namespaces, changes: ChangeLog) -> None:
+        self._pages = pages
+        self._namespaces = namespaces
+        self._changes = changes
+        self.evictions = 0  # pages evicted (by the LRU policy or a slab's drain; not purged ones)
+
+    def evict(self, c: int, n: int, protected: Collection[int] = ()) -> list[int]:
+        """Evicts exactly n of class c's least recently used pages that are not in `protected` (page ids), least
+        recent first, or none when it has fewer than n (returns [] and changes nothing). The pages come back
+        FREE, still counted as used in their slabs: the caller reuses them in place or gives them back
+        (Slabs.free)."""
+        prev = self._pages.prev
+        sentinel = self._pages.sentinel[c]  # the ring: sentinel.prev is the least recently used page
+        victims: list[int] = []
+        pid = prev[sentinel]
+        if protected:
+            while pid != sentinel and len(victims) < n:
+                if pid not in protected:
+                    victims.append(pid)
+                pid = prev[pid]
+        else:
+            while pid != sentinel and len(victims) < n:
+                victims.append(pid)
+                pid = prev[pid]
+        if len(victims) < n:
+            return []
+        self.forget(victims)
+        return victims
+
+    def forget(self, pids: Sequence[int], *, evicted: bool = True) -> None:
+        """Sealed unpinned pages of one size class stop holding their blocks: out of their namespace's index, the
+        resident counts and the LRU ring; FREE, with a change noted for each. They stay counted as used in their
+        slabs: the caller gives them back (Slabs.free) or reuses them. `evicted`: whether they count as evictions
+        (purged pages do not)."""
+        if not pids:
+            return
+        pages, records = self._pages, self._namespaces.records
+        ns_of, hash_of = pages.ns_of, pages.block_hash
+        counts = Counter(map(ns_of.__getitem__, pids))
+        if len(counts) == 1:  # mostly: one namespace, whose index drops them all in one map()
+            records[ns_of[pids[0]]].index.remove(list(map(hash_of.__getitem__, pids)))  # type: ignore[arg-type]
+        else:
+            for pid in pids:
+                del records[ns_of[pid]].index[hash_of[pid]]  # type: ignore[arg-type]
+        for ns_id, count in counts.items():
+            self._namespaces.count_resident(ns_id, -count)
+        self._changes.record(False, map(ns_of.__getitem__, pids), map(hash_of.__getitem__, pids))
+        pages.forget(pids)
+        if evicted:
+            self.evictions += len(pids)

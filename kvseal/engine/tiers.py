@@ -1,0 +1,253 @@
+"""Below the pool: where a query's miss continues, and the I/O that brings blocks back or keeps them.
+
+    query misses at hashes[k]
+        page inflight, refilling       -> LOADING    (ask again)
+        page inflight, a worker's save -> NOWHERE    (not ours to wait for)
+        the SSD holds a run from k     -> LOADING    (a refill from SSD starts now)
+        peers, own user's blocks       -> ASK_PEERS  (the engine asks the MetaServer, outside its lock; a peer that
+                                                      holds them is fetched from: LOADING)
+        otherwise                      -> NOWHERE
+
+A refill (from SSD or a peer) takes inflight pages with the store's begin_refill; the store answers "refilling" for
+them until finish_refill seals those that arrived whole and verified and drops the others. Blocks sealed from
+anywhere but this node's SSD are written through to it (pinned until written). With no SSD configured the tier is
+kvseal.ssd.null.NullTier, which holds and takes nothing.
+
+Thread model: methods said to run "under the lock" are called holding the engine's lock; the reads and fetches run
+on this module's own threads and take the lock only for the store's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+from kvseal.core.layout import Layout, SealedInstance
+from kvseal.core.store import BlockStore, SavePlan
+from kvseal.engine.lock import TimedLock
+from kvseal.engine.memory import Arena
+from kvseal.engine.registry import Instance, tenant
+from kvseal.ssd.tier import NamespaceKey, Tier, WriteItem
+
+log = logging.getLogger("kvseal.engine")
+
+PEER_RETRY_S = 2.0  # a prefix no peer could give is not asked for again before this
+MAX_PEER_MISSES = 65536
+SETTLE_S = 30.0  # how long a timed-out transfer (Mooncake: its progress timeout, 10 s) may still write pages
+
+
+class Continuation(enum.Enum):
+    """Where a prefix that memory does not hold whole continues."""
+
+    NOWHERE = "nowhere"  # the prefix ends here: serve the hits
+    LOADING = "loading"  # a refill is under way (perhaps started now): the caller asks again
+    ASK_PEERS = "ask_peers"  # ask the MetaServer which peer holds the rest
+
+
+class PeerSource(Protocol):
+    """Other nodes, as a query that misses sees them (kvseal.peer.client.PeerFetcher)."""
+
+    def lookup(self, namespace_final: str, hashes: list[bytes]) -> tuple[str, int] | None:
+        """(address, count): the peer holding the longest prefix of `hashes`, or None."""
+        ...
+
+    def fetch(
+        self,
+        address: str,
+        namespace_final: str,
+        layout: Layout,
+        hashes: list[bytes],
+        offsets: list[int],
+        destinations: list[memoryview],
+    ) -> tuple[int, bool]:
+        """Fills destinations (pool pages at arena `offsets`) with the peer's pages. Returns how many leading
+        pages arrived whole and verified, and whether a transfer that gave up may still write the others (then
+        they are not reused before wait_settled)."""
+        ...
+
+    def wait_settled(self, timeout_s: float) -> bool:
+        """Waits until no transfer that gave up can still write pool pages; False if one still may."""
+        ...
+
+
+class Tiers:
+    def __init__(self, lock: TimedLock, store: BlockStore, arena: Arena, ssd: Tier) -> None:
+        self._lock = lock
+        self.store = store
+        self.arena = arena
+        self.ssd = ssd
+        self._refills = ThreadPoolExecutor(2, thread_name_prefix="kvseal-refill")  # threads start at first use
+        self.peers: PeerSource | None = None
+        self._fetches: ThreadPoolExecutor | None = None
+        self._peer_misses: dict[tuple[int, bytes], float] = {}  # (ns_id, first missing hash) -> ask again after
+
+    def close(self) -> None:
+        """Finishes refills, fetches and SSD writes (the tier seals its segments)."""
+        for pool in (self._refills, self._fetches):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self.ssd.close()
+
+    def use_peers(self, source: PeerSource) -> None:
+        """Queries that miss ask `source` (the MetaServer and the peer fetch client) for the rest of the prefix."""
+        self.peers = source
+        self._fetches = ThreadPoolExecutor(4, thread_name_prefix="kvseal-fetch")
+
+    def page_view(self, pid: int, layout: Layout) -> memoryview:
+        at = self.store.page_offset(pid)
+        return memoryview(self.arena.bytes[at : at + layout.page_bytes])
+
+    # ---------------------------------------------------------------- write-through
+
+    def write_through(self, key: NamespaceKey, layout: Layout, pages: list[int]) -> None:
+        """Hands freshly sealed pages the SSD does not hold to its writers, pinned until written. Under the lock."""
+        if not pages:
+            return
+        hashes = [self.store.page_hash(pid) for pid in pages]
+        absent = self.ssd.absent(key, hashes)
+        if not absent:
+            return
+        pages = [pages[i] for i in absent]
+        self.store.pin_pages(pages)
+        items = [WriteItem(hashes[i], self.page_view(pid, layout)) for i, pid in zip(absent, pages, strict=True)]
+
+        def written(ok: bool) -> None:
+            with self._lock:
+                self.store.unpin_pages(pages)
+
+        if not self.ssd.write(key, layout, items, written):
+            self.store.unpin_pages(pages)
+
+    # ---------------------------------------------------------------- where a miss continues
+
+    def continuation(self, inst: Instance, hashes: list[bytes], start: int) -> Continuation:
+        """Where the blocks from hashes[start] on may come from; starts a refill from SSD when it holds them. Under
+        the lock."""
+        assert inst.sealed is not None
+        pid = self.store.page(inst.ns_id, hashes[start])
+        if pid is not None:  # inflight: a refill under way, or a worker's save (not ours to wait for)
+            return Continuation.LOADING if self.store.refilling(pid) else Continuation.NOWHERE
+        if self._refill_from_ssd(inst, hashes, start):
+            return Continuation.LOADING
+        if self.peers is None or inst.key[0] != tenant(os.getuid()):  # other users' blocks never leave the node
+            return Continuation.NOWHERE
+        retry_at = self._peer_misses.get((inst.ns_id, hashes[start]))
+        if retry_at is not None:
+            if time.monotonic() < retry_at:
+                return Continuation.NOWHERE
+            del self._peer_misses[(inst.ns_id, hashes[start])]
+        return Continuation.ASK_PEERS
+
+    def _begin_refill(self, inst: Instance, wanted: list[bytes]) -> SavePlan | None:
+        """Inflight pages for a refill of `wanted` (full cell mask), or None when the first cannot be had."""
+        assert inst.sealed is not None
+        layout = inst.sealed.layout
+        plan = self.store.begin_refill(inst.ns_id, layout, wanted, (1 << layout.num_slots) - 1)
+        if not plan.pages or plan.positions[0] != 0:
+            self.store.finish_refill(plan, ok=False)
+            return None  # no room for the first block, or it came meanwhile: serve what memory has
+        return plan
+
+    def _finish_refill(
+        self, key: NamespaceKey, layout: Layout, plan: SavePlan, good: Sequence[bool], *, new: bool = False
+    ) -> None:
+        """Seals the refill's pages that passed every check, drops the others. `new`: the blocks came from
+        elsewhere than this node's SSD, which they are written through to."""
+        kept, dropped = self.store.split_plan(plan, good)
+        with self._lock:
+            sealed = self.store.finish_refill(kept, ok=True)
+            self.store.finish_refill(dropped, ok=False)
+            if new:
+                self.write_through(key, layout, sealed)
+
+    # ---------------------------------------------------------------- from SSD
+
+    def _refill_from_ssd(self, inst: Instance, hashes: list[bytes], start: int) -> bool:
+        """Starts reading the blocks from hashes[start] on from SSD if it has them and the pool has room."""
+        assert inst.sealed is not None
+        run = self.ssd.prefix(inst.key, hashes[start:])
+        if run == 0:
+            return False
+        wanted = hashes[start : start + run]
+        plan = self._begin_refill(inst, wanted)
+        if plan is None:
+            return False
+        self._refills.submit(self._refill, inst.key, inst.sealed.layout, [wanted[k] for k in plan.positions], plan)
+        return True
+
+    def _refill(self, key: NamespaceKey, layout: Layout, hashes: list[bytes], plan: SavePlan) -> None:
+        """Reads SSD records into a refill's inflight pages and seals those that passed every check."""
+        destinations = [memoryview(self.arena.bytes[at : at + layout.page_bytes]) for at in plan.offsets]
+        try:
+            results = self.ssd.read(key, layout, hashes, destinations)
+        except Exception:
+            log.exception("ssd refill failed")
+            results = ["io"] * len(hashes)
+        self._finish_refill(key, layout, plan, [r == "" for r in results])
+
+    # ---------------------------------------------------------------- from peers (other nodes)
+
+    def lookup(self, sealed: SealedInstance, hashes: list[bytes]) -> tuple[str, int] | None:
+        """Which peer holds the longest prefix of `hashes` (the MetaServer is asked: not under the lock)."""
+        assert self.peers is not None
+        return self.peers.lookup(sealed.namespace_final, hashes)
+
+    def start_peer_fetch(self, inst: Instance, hashes: list[bytes], start: int, offered: tuple[str, int]) -> bool:
+        """Starts fetching hashes[start : start + count] from the peer at `address`. Under the lock."""
+        address, count = offered
+        if inst.sealed is None or count <= 0:
+            return False
+        wanted = hashes[start : start + min(count, len(hashes) - start)]
+        plan = self._begin_refill(inst, wanted)
+        if plan is None:
+            return False
+        assert self._fetches is not None
+        hashes = [wanted[k] for k in plan.positions]
+        self._fetches.submit(self._fetch, inst.key, inst.sealed, address, hashes, plan)
+        return True
+
+    def _fetch(
+        self, key: NamespaceKey, sealed: SealedInstance, address: str, hashes: list[bytes], plan: SavePlan
+    ) -> None:
+        """Fetches a peer's pages into the refill's inflight pages; seals the leading pages that arrived whole and
+        verified, and writes them through to SSD. Any failure is a miss of the rest, never a partial page."""
+        assert self.peers is not None
+        layout = sealed.layout
+        destinations = [memoryview(self.arena.bytes[at : at + layout.page_bytes]) for at in plan.offsets]
+        unsettled = False
+        try:
+            got, unsettled = self.peers.fetch(
+                address, sealed.namespace_final, layout, hashes, plan.offsets, destinations
+            )
+        except Exception:
+            log.exception("peer fetch from %s failed", address)
+            got = 0
+        good = [i < got for i in range(len(hashes))]
+        if unsettled:  # a transfer that timed out may still write the pages it was given: not to be reused yet
+            kept, dropped = self.store.split_plan(plan, good)
+            self._finish_refill(key, layout, kept, [True] * len(kept.pages), new=True)
+            with self._lock:
+                self.store.abandon_refill(dropped)  # queries see the miss at once; the pages stay reserved
+            if not self.peers.wait_settled(SETTLE_S):
+                log.error("a timed-out peer transfer still runs after %.0f s: its pages are freed anyway", SETTLE_S)
+            with self._lock:
+                self.store.finish_refill(dropped, ok=False)
+        else:
+            self._finish_refill(key, layout, plan, good, new=True)
+        if got < len(hashes):
+            with self._lock:
+                self.note_peer_miss(plan.namespace_id, hashes[got])
+
+    def note_peer_miss(self, ns_id: int, first_missing: bytes) -> None:
+        """No peer gave the blocks from `first_missing` on: do not ask again for PEER_RETRY_S. Under the lock."""
+        now = time.monotonic()
+        if len(self._peer_misses) >= MAX_PEER_MISSES:  # every cold prompt leaves one: keep the live ones only
+            self._peer_misses = {k: t for k, t in self._peer_misses.items() if t > now}
+            if len(self._peer_misses) >= MAX_PEER_MISSES:
+                self._peer_misses.clear()
+        self._peer_misses[(ns_id, first_missing)] = now + PEER_RETRY_S
