@@ -1,7 +1,9 @@
 """KVSealConnector's own rules, in-process against vLLM's own objects (no engine, no vLLM run): it refuses a
 KVCacheConfig with more than one KV cache group as vLLM's grouping produces one; its claim of an engine hit with an
 EAGLE-style drafter matches vLLM's own prefix-cache rule applied to both caches together; the backoff that keeps a
-wedged engine from costing a deadline per step; `kvseal.timeout_s`.
+wedged engine from costing a deadline per step, and which engine answers are not an outage; the extra config
+(`kvseal.timeout_s` …, one frozen KVSealConfig); the facade's one side per role; the scheduler side's books against a
+fake engine (claims, loads, saves, leases released).
 
 vLLM is imported once per module, with its import-time deprecation warnings silenced (pytest turns warnings into
 errors, and they are vLLM's, not ours)."""
@@ -11,13 +13,22 @@ from __future__ import annotations
 import logging
 import types
 import warnings
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 from vllm_support import TOKENIZER_FILES, shared_model
 
-from kvseal.errors import DeadlineExceeded
+from kvseal.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
+from kvseal.proto import kvseal_pb2 as pb
 from kvseal.testing import FakeClock
 
 BLOCK = 16
@@ -34,7 +45,7 @@ def v() -> types.SimpleNamespace:
         from vllm.v1.core.kv_cache_utils import get_kv_cache_groups, make_block_hash_with_group_id
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
-        from kvseal.vllm import connector
+        from kvseal.vllm import compat, connector, outage
     return types.SimpleNamespace(
         torch=torch,
         KVTransferConfig=KVTransferConfig,
@@ -48,6 +59,8 @@ def v() -> types.SimpleNamespace:
         KVCacheGroupSpec=KVCacheGroupSpec,
         SlidingWindowSpec=SlidingWindowSpec,
         connector=connector,
+        compat=compat,
+        outage=outage,
     )
 
 
@@ -303,7 +316,7 @@ def test_backoff_doubles_to_30s_and_a_success_resets_it(
     v: types.SimpleNamespace, caplog: pytest.LogCaptureFixture
 ) -> None:
     clock = FakeClock()
-    outage = v.connector._Outage("unix:/wedged.sock", clock=clock)
+    outage = v.outage.Outage("unix:/wedged.sock", clock=clock)
     error = DeadlineExceeded("no answer within 5.0s")
     assert outage.allows_call()
 
@@ -331,6 +344,32 @@ def test_backoff_doubles_to_30s_and_a_success_resets_it(
         clock.advance(1.0)
         assert outage.allows_call()
     assert len(caplog.records) == 3
+
+
+def test_only_no_answer_is_an_outage(v: types.SimpleNamespace) -> None:
+    """The engine answering about this instance's state (workers not in yet, this worker unknown) is no outage."""
+    clock = FakeClock()
+
+    def after(call: str, error: Exception) -> tuple[bool, bool | None]:
+        """(whether calls are paused afterwards, what the call answered)"""
+        outage = v.outage.Outage("unix:/classify.sock", clock=clock)
+        answer = getattr(outage, call)(*(("load", error) if call == "on_worker_error" else (error,)))
+        return not outage.allows_call(), answer
+
+    down = Unavailable("gone"), DeadlineExceeded("slow")
+    for error in down:
+        assert after("on_query_error", error) == (True, None)
+        assert after("on_release_error", error) == (True, None)
+        assert after("on_worker_error", error) == (True, False)
+    for error in (FailedPrecondition("2 of 4 workers in"), NotFound("no such instance")):
+        assert after("on_query_error", error) == (False, None)
+    assert after("on_query_error", PermissionDenied("not this lane's user")) == (True, None)
+    for error in (NotFound("lease"), InvalidArgument("lease"), FailedPrecondition("x")):
+        assert after("on_release_error", error) == (False, None)  # the lease is gone either way
+    for error in (NotFound("worker"), PermissionDenied("worker")):
+        assert after("on_worker_error", error) == (False, True)  # register again
+    assert after("on_worker_error", FailedPrecondition("2 of 4 workers in")) == (False, False)
+    assert after("on_worker_error", InvalidArgument("bad")) == (True, False)
 
 
 def test_outage_is_shared_by_the_connectors_of_a_process(v: types.SimpleNamespace) -> None:
@@ -390,3 +429,167 @@ def test_kv_planes_are_read_off_the_tensor_vllm_allocated(v: types.SimpleNamespa
     spec = layer_from_tensor("l0", flash, layout_tag="t", split_kv=splits_kv(flash, 64))
     assert (spec.segments, spec.num_blocks, spec.segment_bytes) == (2, 64, BLOCK * 2 * 32 * 4)
     assert list(spec.strides) == [BLOCK * 2 * 32 * 4, 64 * BLOCK * 2 * 32 * 4]
+
+
+# ---------------------------------------------------------------- the extra config
+
+
+def test_extra_config_is_one_frozen_config_and_errors_name_the_key(v: types.SimpleNamespace) -> None:
+    config = v.compat.KVSealConfig.from_extra({})
+    assert config == v.compat.KVSealConfig()
+    assert (config.engine, config.mode, config.namespace, config.timeout_s) == (
+        "127.0.0.1:50055",
+        "read_write",
+        None,
+        5,
+    )
+    assert (config.pd_timeout_s, config.sync_load_bytes) == (30, 64 << 20)
+    with pytest.raises(AttributeError):
+        config.mode = "load_only"  # type: ignore[misc]
+    full = v.compat.KVSealConfig.from_extra(
+        {
+            "kvseal.engine": "unix:/run/kvseal.sock",
+            "kvseal.mode": "load_only",
+            "kvseal.namespace": "m",
+            "kvseal.token": "t",
+            "kvseal.timeout_s": "2.5",
+            "kvseal.engine_uid": "0",
+            "kvseal.pd_timeout_s": 7,
+            "kvseal.sync_load_bytes": 0,
+        }
+    )
+    assert full == v.compat.KVSealConfig("unix:/run/kvseal.sock", "load_only", "m", "t", 2.5, 0, 7.0, 0)
+    assert v.compat.KVSealConfig.from_extra({"kvseal.namespace": ""}).namespace is None  # the model's identity
+    for key, bad, message in (
+        ("kvseal.mode", "read", "kvseal.mode must be one of ('read_write', 'save_only', 'load_only'), got 'read'"),
+        ("kvseal.pd_timeout_s", -3, "kvseal.pd_timeout_s must be a positive number of seconds, got -3"),
+        ("kvseal.sync_load_bytes", 1.5, "kvseal.sync_load_bytes must be a non-negative whole number of bytes, got 1.5"),
+        (
+            "kvseal.sync_load_bytes",
+            True,
+            "kvseal.sync_load_bytes must be a non-negative whole number of bytes, got True",
+        ),
+    ):
+        with pytest.raises(ValueError) as refused:
+            v.compat.KVSealConfig.from_extra({key: bad})
+        assert str(refused.value) == message
+        for role in (v.KVConnectorRole.SCHEDULER, v.KVConnectorRole.WORKER):
+            with pytest.raises(ValueError, match=key):
+                v.connector.KVSealConnector(_vllm_config(v, **{key: bad}), role, _one_group(v))
+
+
+# ---------------------------------------------------------------- the facade: one side per role
+
+
+def test_the_connector_delegates_to_the_side_of_its_role(v: types.SimpleNamespace) -> None:
+    config = _vllm_config(v, **{"kvseal.namespace": "unit"})
+    scheduler = v.connector.KVSealConnector(config, v.KVConnectorRole.SCHEDULER, _one_group(v))
+    worker = v.connector.KVSealConnector(config, v.KVConnectorRole.WORKER, _one_group(v))
+    try:
+        with pytest.raises(RuntimeError, match="a worker-side call on the SCHEDULER role's connector"):
+            scheduler.register_kv_caches({})
+        with pytest.raises(RuntimeError, match="a scheduler-side call on the WORKER role's connector"):
+            worker.request_finished(types.SimpleNamespace(request_id="r"), [])
+        assert worker.get_finished(set()) == (None, None)
+        assert worker.get_block_ids_with_load_errors() == set()
+        assert config.kv_transfer_config.kv_load_failure_policy == "recompute"  # set by the scheduler side
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
+
+
+def test_names_stay_importable_from_the_connector_module(v: types.SimpleNamespace) -> None:
+    import kvseal.vllm
+
+    assert kvseal.vllm.KVSealConnector is v.connector.KVSealConnector
+    for name in v.connector.__all__:
+        assert getattr(v.connector, name) is not None, name
+
+
+# ---------------------------------------------------------------- the scheduler side's books
+
+
+class _FakeEngine:
+    """EngineClient's Query and Release as the scheduler side uses them: the leading resident hashes, under a
+    new lease when there is a hit; releases are recorded."""
+
+    def __init__(self, resident: list[bytes]) -> None:
+        self.resident = set(resident)
+        self.leases = 0
+        self.released: list[int] = []
+
+    def query(self, instance_id: str, hashes: list[bytes], **kwargs: Any) -> Any:
+        hits = next((i for i, h in enumerate(hashes) if h not in self.resident), len(hashes))
+        lease_id = 0
+        if hits:
+            self.leases += 1
+            lease_id = self.leases
+        return pb.QueryResponse(hits=hits, lease_id=lease_id, namespace_final="ns")
+
+    def release(self, instance_id: str, lease_id: int) -> None:
+        self.released.append(lease_id)
+
+
+def _step(new: Sequence[tuple[str, int, list[int], int]] = (), finished: Collection[str] = ()) -> Any:
+    """A SchedulerOutput with (req_id, num_computed_tokens, block_ids, num_scheduled_tokens) new requests."""
+    return types.SimpleNamespace(
+        finished_req_ids=set(finished),
+        scheduled_new_reqs=[
+            types.SimpleNamespace(req_id=r, num_computed_tokens=c, block_ids=(ids,)) for r, c, ids, _ in new
+        ],
+        scheduled_cached_reqs=types.SimpleNamespace(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+        ),
+        num_scheduled_tokens={r: n for r, _, _, n in new},
+    )
+
+
+def test_scheduler_side_claims_loads_saves_and_releases_what_it_does_not_use(v: types.SimpleNamespace) -> None:
+    from vllm.v1.request import RequestStatus
+
+    from kvseal.vllm.scheduler import SchedulerSide
+
+    hashes = [bytes([n]) * 32 for n in range(5)]
+    engine = _FakeEngine(hashes[:3])
+    config = _vllm_config(v)
+    config.cache_config.block_size = BLOCK
+    side = SchedulerSide(
+        config, _one_group(v), v.compat.KVSealConfig(), engine, v.outage.Outage("fake", clock=FakeClock())
+    )
+
+    def request(req_id: str) -> Any:
+        return types.SimpleNamespace(
+            request_id=req_id,
+            block_hashes=hashes,
+            num_tokens=5 * BLOCK + 1,
+            num_prompt_tokens=5 * BLOCK + 1,
+            kv_transfer_params=None,
+            status=RequestStatus.FINISHED_STOPPED,
+        )
+
+    a = request("a")
+    assert side.get_num_new_matched_tokens(a, 0) == (3 * BLOCK, False)  # 3 blocks: small, loaded synchronously
+    assert side.get_num_new_matched_tokens(a, 0) == (3 * BLOCK, False)  # asked again (not allocated): a new claim
+    assert engine.released == [1]
+    blocks = [7, 8, 9, 10, 11, 12]
+    side.update_state_after_alloc(a, types.SimpleNamespace(get_block_ids=lambda: (blocks,)), 3 * BLOCK)
+    meta = side.build_connector_meta(_step([("a", 3 * BLOCK, blocks, 2 * BLOCK + 1)]))
+    assert [(j.req_id, j.hashes, j.block_ids, j.lease_id, j.sync) for j in meta.loads] == [
+        ("a", hashes[:3], [7, 8, 9], 2, True)
+    ]
+    assert (meta.save_hashes, meta.save_block_ids) == (hashes[3:5], [10, 11])  # the blocks it computed
+    assert side.build_connector_meta(_step()).loads == []  # handed over once
+    assert side.request_finished(a, blocks) == (False, None)
+    assert engine.released == [1]  # the load's lease is the worker's to end
+
+    b = request("b")
+    assert side.get_num_new_matched_tokens(b, BLOCK) == (2 * BLOCK, False)  # from vLLM's own hit on
+    side.update_state_after_alloc(b, types.SimpleNamespace(get_block_ids=lambda: (blocks,)), 0)  # vLLM took none
+    assert engine.released == [1, 3]
+    c = request("c")
+    assert side.get_num_new_matched_tokens(c, 0)[0] == 3 * BLOCK
+    side.request_finished(c, [])  # finished (aborted) before its blocks were allocated: its lease ends
+    assert engine.released == [1, 3, 4]
+    assert side._requests.keys() == {"b"}
+    side.build_connector_meta(_step(finished={"b"}))
+    assert not side._requests

@@ -1,0 +1,246 @@
+"""What the connector mirrors of vLLM, and what it accepts of it: the connector's extra config, parsed once into a
+frozen `KVSealConfig`; the checks that refuse at construction what kvseal cannot serve (seeded block hashing,
+several KV cache groups, KV that is not prefix-cacheable attention); and vLLM's own rules the connector follows
+(its null block, the KV planes of a layer's tensor, the drafter's block of a prefix hit), each naming the vLLM
+version and code it mirrors.
+
+Pure functions over vLLM's config objects: no engine, no I/O.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+Mode = Literal["read_write", "save_only", "load_only"]
+MODES: tuple[Mode, ...] = ("read_write", "save_only", "load_only")
+DEFAULT_ENGINE = "127.0.0.1:50055"
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_PD_TIMEOUT_S = 30.0
+# A synchronous load saves a scheduler step (vLLM's own local-hit path pays none) but holds up the step of every
+# other request while it copies; 64 MiB copies in ~5-9 ms on this machine class, about a decode step.
+DEFAULT_SYNC_LOAD_BYTES = 64 << 20
+NULL_BLOCK_ID = 0  # vLLM's null block (BlockPool.null_block, the first block id): holds nothing, is never written
+
+
+# ---------------------------------------------------------------- kv_connector_extra_config
+
+
+@dataclass(frozen=True, slots=True)
+class KVSealConfig:
+    """The connector's `kv_connector_extra_config`, validated. Every field is the key `kvseal.<field>`; build it
+    with `from_extra`, which raises ValueError naming the key and the value it refuses."""
+
+    engine: str = DEFAULT_ENGINE  # gRPC target
+    mode: Mode = "read_write"
+    namespace: str | None = None  # None: the model's identity (kvseal.vllm.identity)
+    token: str | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S  # deadline of every engine call
+    engine_uid: int | None = None  # the engine's user, when it is neither root nor vLLM's
+    pd_timeout_s: float = DEFAULT_PD_TIMEOUT_S  # how long a prefill holds its blocks for the decode instance
+    sync_load_bytes: int = DEFAULT_SYNC_LOAD_BYTES  # loads up to this size per worker run synchronously
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> KVSealConfig:
+        mode = extra.get("kvseal.mode", "read_write")
+        if mode not in MODES:
+            raise ValueError(f"kvseal.mode must be one of {MODES}, got {mode!r}")
+        return cls(
+            engine=extra.get("kvseal.engine", DEFAULT_ENGINE),
+            mode=cast(Mode, mode),
+            namespace=extra.get("kvseal.namespace") or None,
+            token=extra.get("kvseal.token"),
+            timeout_s=_seconds(extra, "kvseal.timeout_s", DEFAULT_TIMEOUT_S),
+            engine_uid=_engine_uid(extra),
+            pd_timeout_s=_seconds(extra, "kvseal.pd_timeout_s", DEFAULT_PD_TIMEOUT_S),
+            sync_load_bytes=_bytes(extra, "kvseal.sync_load_bytes", DEFAULT_SYNC_LOAD_BYTES),
+        )
+
+
+def _seconds(extra: Mapping[str, Any], key: str, default: float) -> float:
+    """A positive, finite number of seconds from the extra config, or ValueError naming the key."""
+    value = extra.get(key, default)
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{key} must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def _bytes(extra: Mapping[str, Any], key: str, default: int) -> int:
+    """A non-negative whole number of bytes from the extra config, or ValueError naming the key."""
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key} must be a non-negative whole number of bytes, got {value!r}")
+    return value
+
+
+def _engine_uid(extra: Mapping[str, Any]) -> int | None:
+    """`kvseal.engine_uid`: the user the engine runs as (a uid or a user name) when neither root nor vLLM's user."""
+    value = extra.get("kvseal.engine_uid")
+    if value is None:
+        return None
+    if isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
+        return int(value)
+    try:
+        return pwd.getpwnam(str(value)).pw_uid
+    except KeyError:
+        raise ValueError(f"kvseal.engine_uid must be a uid or a user name of this machine, got {value!r}") from None
+
+
+def instance_id_of(vllm_config: VllmConfig) -> str:
+    """The engine's name of this vLLM instance (its scheduler and all its workers): from vLLM's engine_id."""
+    transfer = vllm_config.kv_transfer_config
+    assert transfer is not None  # KVConnectorBase_V1 refuses a config without one
+    return f"vllm-{transfer.engine_id}"
+
+
+# ---------------------------------------------------------------- what kvseal refuses at construction
+
+
+def check_hashing_is_deterministic(vllm_config: VllmConfig) -> None:
+    """Two instances share blocks only if they hash tokens the same way (ARCHITECTURE §5)."""
+    algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+    if os.environ.get("PYTHONHASHSEED") is None and not algo.startswith("sha256"):
+        raise ValueError(
+            f"kvseal: prefix_caching_hash_algo={algo!r} without PYTHONHASHSEED seeds block hashes randomly in every "
+            "process, so no two vLLM instances could ever share a cached block. Set PYTHONHASHSEED (the same value "
+            "for every instance, e.g. PYTHONHASHSEED=0) or use --prefix-caching-hash-algo sha256."
+        )
+
+
+def check_one_kv_cache_group(kv_cache_config: KVCacheConfig) -> None:
+    """kvseal keys a block by one hash and saves and loads one block id per hash for all of a worker's layers: that
+    is one block table, vLLM's single KV cache group.
+
+    Whether vLLM hands a connector more than one (vLLM 0.32): a connector without `SupportsHMA` (this one) turns
+    the hybrid KV cache manager off (`VllmConfig.__post_init__` sets `disable_hybrid_kv_cache_manager`;
+    `KVConnectorFactory.create_connector` refuses an explicit `--no-disable-hybrid-kv-cache-manager`). Then
+    `kv_cache_utils.get_kv_cache_groups` first calls `unify_hybrid_kv_cache_specs`, which promotes sliding-window and
+    chunked-local attention to full attention and raises for what it cannot unify (attention beside Mamba state:
+    "Failed to promote local KV cache specs"). But it unifies two buckets separately, replicated attention
+    (`dcp_sharded=False`, e.g. a draft model at DCP 1 under a DCP target, `gpu/model_runner.get_kv_cache_spec`) and
+    the rest; when both exist the specs stay mixed and `_get_packed_kv_cache_groups` /
+    `_get_kv_cache_groups_uniform_page_size` return several groups, which vLLM checks only when a request finishes
+    (`Scheduler._connector_finished` asserts one group for a connector without SupportsHMA). So refuse at
+    construction, naming the groups, rather than save and load group 0's block ids for every layer."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) == 1:
+        return
+    if not groups:
+        raise ValueError(
+            "kvseal supports one KV cache group; this model has none (it is attention-free: no KV cache to "
+            "share). Run it without kvseal (drop --kv-transfer-config)."
+        )
+    described = "; ".join(
+        f"group {i}: {type(g.kv_cache_spec).__name__}, {len(g.layer_names)} layers ({_names(g.layer_names)})"
+        for i, g in enumerate(groups)
+    )
+    raise ValueError(
+        f"kvseal supports one KV cache group; this model has {len(groups)} ({described}). vLLM gives each group "
+        "its own block table, while kvseal saves and loads one block id per hash for all of a worker's layers. "
+        "vLLM already merged what it could (kvseal turns the hybrid KV cache manager off). Give every layer one KV "
+        "cache spec (e.g. the same decode-context-parallel sharding for draft and target layers), or run this "
+        "model without kvseal (drop --kv-transfer-config)."
+    )
+
+
+def check_attention_kv_cache(kv_cache_config: KVCacheConfig) -> None:
+    """kvseal serves blocks of attention KV: a block holds the keys and values of its tokens, so a prefix's blocks,
+    keyed by the prefix's hashes, are the same bytes for every request that shares the prefix. Refuses at
+    construction, naming the group and its spec, everything else vLLM can hand over in one group:
+    - state specs (MambaSpec and its kinds: Mamba1/2, gated delta net, short conv, linear attention): a block is a
+      sequence's running state at a boundary; loaded as a prefix block it gives wrong outputs (measured: every token
+      of a tiny Mamba2 differed from the cold run);
+    - specs vLLM itself does not prefix-cache (`prefix_cacheable` False: circular buffers, bounded-replay MLA
+      windows), cross-attention (its KV depends on the encoder input, not on the hashed tokens), encoder-only,
+      hidden-state caches, HiSparse pools.
+    Accepted: FullAttentionSpec and its kinds (MLA, sinks, R-SWA), SlidingWindowSpec, ChunkedLocalAttentionSpec;
+    their null blocks are never loaded or saved (the connector skips block id 0)."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        HiddenStateCacheSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    def refused(spec: Any) -> str | None:
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            return next(filter(None, map(refused, spec.kv_cache_specs.values())), None)
+        kinds = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
+        if not isinstance(spec, kinds) or isinstance(spec, HiddenStateCacheSpec):
+            return type(spec).__name__
+        if not spec.prefix_cacheable:
+            return f"{type(spec).__name__} (not prefix-cacheable)"
+        return None
+
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        why = refused(group.kv_cache_spec)
+        if why is None:
+            continue
+        raise ValueError(
+            f"kvseal cannot serve this model's KV cache: group {i} is {why}, {len(group.layer_names)} layers "
+            f"({_names(group.layer_names)}). kvseal stores attention KV as prefix blocks (full, MLA, sliding window, "
+            "chunked local); a Mamba / linear-attention state or a cache vLLM does not prefix-cache loaded as such "
+            "blocks would give wrong outputs, so kvseal refuses it. Run this model without kvseal (drop "
+            "--kv-transfer-config); vLLM's own prefix cache (--enable-prefix-caching) still serves it."
+        )
+
+
+def _names(names: list[str], shown: int = 2) -> str:
+    more = f", … {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+# ---------------------------------------------------------------- vLLM's rules, mirrored
+
+
+def without_null_blocks(hashes: list[bytes], block_ids: list[int]) -> tuple[list[bytes], list[int]]:
+    """The (hash, block id) pairs whose block is a real one: vLLM's null block (id 0) stands where a sliding window
+    or a local chunk needs nothing, and must never be written (loads) nor read as a block's KV (saves)."""
+    if NULL_BLOCK_ID not in block_ids:
+        return hashes, block_ids
+    kept = [(h, b) for h, b in zip(hashes, block_ids, strict=True) if b != NULL_BLOCK_ID]
+    return [h for h, _ in kept], [b for _, b in kept]
+
+
+def splits_kv(tensor: torch.Tensor, num_blocks: int | None) -> bool:
+    """Whether a layer's KV is two planes, [2, num_blocks, ...] (K then V: vLLM's FlashAttention layout on GPU),
+    rather than one page per block, [num_blocks, ...] (vLLM's CPU and MLA layouts): read off the tensor vLLM
+    allocated, whose block dimension has the engine's num_blocks."""
+    if tensor.dim() >= 2 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks and num_blocks != 2:
+        return True
+    return False
+
+
+def drops_last_hit_block(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> bool:
+    """Whether vLLM drops the last block of its own prefix-cache hit, mirrored from vLLM 0.32: the scheduler builds
+    its KVCacheManager with `use_eagle=speculative_config.use_eagle_block_drop()` (method in eagle, eagle3, mtp,
+    dflash, dspark, and `disable_eagle_block_drop` off); `KVCacheCoordinator` flags the groups marked
+    `is_eagle_group`, or every group when that is set and none is marked; `UnitaryKVCacheCoordinator` (one group)
+    passes `drop_eagle_block = 0 in eagle_group_ids` to `FullAttentionManager.find_longest_cache_hit`, which then
+    takes one block (alignment = block size with one group) off a non-empty hit. The drafter needs that block
+    recomputed: for its hidden states, and because its KV there depends on tokens past the block."""
+    spec = vllm_config.speculative_config
+    use_eagle = spec is not None and spec.use_eagle_block_drop()
+    return use_eagle or kv_cache_config.kv_cache_groups[0].is_eagle_group
+
+
+def claimable_blocks(hits: int, drop_last_block: bool) -> int:
+    """Blocks of the engine's `hits` (leading resident blocks right after vLLM's own hit) the connector claims.
+
+    vLLM has already taken the drafter's block off its own hit, and the engine's hit continues from there, so the
+    last block of the whole hit is the engine's last one: dropping it gives exactly vLLM's rule applied to the
+    union of both caches."""
+    return max(hits - 1, 0) if drop_last_block else hits
