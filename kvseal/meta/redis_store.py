@@ -47,14 +47,16 @@ from typing import Any, TypeVar
 
 import redis
 
+from kvseal.errors import Unavailable
 from kvseal.meta.store import Block, NodeHeld, NodeHit, NodeInfo, StoreFull
 
 PREFIX = "kvseal:meta:"
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class StoreUnavailable(redis.exceptions.ConnectionError, builtins.ConnectionError):
-    """Redis cannot be reached (refused, reset, timed out): redis' ConnectionError and the built-in one."""
+class StoreUnavailable(Unavailable, redis.exceptions.ConnectionError, builtins.ConnectionError):
+    """Redis cannot be reached (refused, reset, timed out): kvseal's Unavailable, redis' ConnectionError and the
+    built-in one."""
 
 
 def _unavailable(method: F) -> F:

@@ -28,7 +28,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvseal.client import EngineClient
-from kvseal.errors import KvsealError
+from kvseal.errors import KvsealError, Unavailable
 
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
@@ -96,7 +96,7 @@ def _wait_or_kill(proc: subprocess.Popen[Any], timeout: float, dump_stacks: bool
         return False
 
 
-class EngineStartFailed(RuntimeError):
+class EngineStartFailed(Unavailable, RuntimeError):
     """The engine exited while starting, or did not serve in time; the message carries its stderr."""
 
 

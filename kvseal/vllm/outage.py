@@ -6,29 +6,26 @@ success), so a stopped or wedged engine costs one deadline per interval, not one
 per outage, and one line when the engine is back.
 
 Not every error is an outage: an engine that answers "this instance's workers are not (all) registered yet" or "I
-do not know this worker" works. Telling them apart is done here, in `Outage.on_query_error`,
-`Outage.on_release_error` and `Outage.on_worker_error`: the only places the connector reads an error's status.
+do not know this worker" works. Telling them apart (by the error's class) is done here, in `Outage.on_query_error`,
+`Outage.on_release_error` and `Outage.on_worker_error`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from kvseal.errors import KvsealError
+from kvseal.errors import DeadlineExceeded, FailedPrecondition, KvsealError, NotFound, PermissionDenied, Unavailable
 
 log = logging.getLogger("kvseal.vllm")
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 
 # answers of an engine that works, about the state of this instance: not an outage
-_INCOMPLETE = "FAILED_PRECONDITION"  # registration incomplete: other workers are not in yet
-_NOT_REGISTERED = ("NOT_FOUND", "PERMISSION_DENIED")  # the engine does not (or no longer) know this worker
-_UNREACHABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED")  # no answer at all
+INCOMPLETE = FailedPrecondition  # registration incomplete: other workers are not in yet
+NOT_REGISTERED = (NotFound, PermissionDenied)  # the engine does not (or no longer) know this worker
+UNREACHABLE = (Unavailable, DeadlineExceeded)  # no answer at all
 
 
 class Outage:
@@ -76,7 +73,7 @@ class Outage:
     def on_query_error(self, error: KvsealError) -> None:
         """A scheduler's Query failed. The engine answering that the instance's workers are not (all) in yet is
         no outage."""
-        if error.status in (_INCOMPLETE, "NOT_FOUND"):
+        if isinstance(error, INCOMPLETE | NotFound):
             self.ok()
         else:
             self.failed("query", error)
@@ -84,17 +81,17 @@ class Outage:
     def on_release_error(self, error: KvsealError) -> None:
         """A Release failed. Only no answer is an outage; otherwise the lease expired or the engine restarted: it is
         gone either way."""
-        if error.status in _UNREACHABLE:
+        if isinstance(error, UNREACHABLE):
             self.failed("release", error)
 
     def on_worker_error(self, what: str, error: KvsealError) -> bool:
         """A registered worker's data-path call (`what`: load, save) failed. Returns whether the engine no longer
         knows this worker's registration (the worker registers again); that, and other workers not being in yet,
         are no outage."""
-        if error.status in _NOT_REGISTERED:
+        if isinstance(error, NOT_REGISTERED):
             self.ok()
             return True
-        if error.status == _INCOMPLETE:
+        if isinstance(error, INCOMPLETE):
             self.ok()
         else:
             self.failed(what, error)
