@@ -47,6 +47,8 @@ from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
 from kvseal.wire import lane as ln
 
+__all__ = ["EngineClient", "cuda_handle", "layer_from_array", "layer_from_tensor", "share_tensor", "shm_handle"]
+
 WorkerKey = tuple[str, int, int]
 
 

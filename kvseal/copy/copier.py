@@ -34,7 +34,7 @@ from numpy.lib.stride_tricks import as_strided
 from kvseal.copy.cuda import BATCH_FROM, CudaCopier, Runtime, cuda_runtime
 from kvseal.copy.kernel import STREAM_FROM, USE_KERNEL, kernel
 from kvseal.copy.rows import Segment, SegmentTable
-from kvseal.core.store import PAGE_ALIGN
+from kvseal.core.slabs import PAGE_ALIGN
 
 
 @dataclass(frozen=True, slots=True)

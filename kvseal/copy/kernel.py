@@ -28,7 +28,7 @@ def copy_page(dst: memoryview | np.ndarray, src: memoryview | bytes | np.ndarray
     if d.nbytes != s.nbytes:
         raise ValueError(f"copy_page: {s.nbytes} bytes into {d.nbytes}")
     if USE_KERNEL:
-        rows = [np.array([v], dtype=np.uint64) for v in (d.ctypes.data, s.ctypes.data, d.nbytes)]
-        kernel.copy_rows(*rows, True)
+        dsts, srcs, sizes = (np.array([v], dtype=np.uint64) for v in (d.ctypes.data, s.ctypes.data, d.nbytes))
+        kernel.copy_rows(dsts, srcs, sizes, True)
     else:
         np.copyto(d, s)

@@ -8,7 +8,7 @@ from typing import Any
 from kvseal.copy.copier import SlotSource, WorkerCopier
 from kvseal.copy.cuda import cuda_runtime
 from kvseal.core.layout import LayerRegistration, SealedInstance, WorkerRegistration
-from kvseal.core.store import page_stride
+from kvseal.core.slabs import page_stride
 from kvseal.engine.memory import Arena, CudaSpec, ShmLayer, ShmPlan, ShmSpec, layer_extent, map_cuda_storage, map_shm
 from kvseal.engine.memory import plan_shm as _plan_shm
 from kvseal.engine.registry import Worker

@@ -217,6 +217,7 @@ class Engine:
                 plans.append((first, plan))
             ids = [block_ids[first + i] for first, plan in plans for i in plan.positions]
             offsets = [o for _, plan in plans for o in plan.offsets]
+            assert w.copier is not None  # sealed: _begin_save checked
             start = time.perf_counter()
             w.copier.save(ids, offsets)
             elapsed = time.perf_counter() - start

@@ -223,7 +223,7 @@ def map_cuda_storage(where: str, spec: CudaSpec, extent: int) -> Any:
     if spec.offset + extent > spec.storage_size:
         raise InvalidArgument(f"{where}.cuda.offset {spec.offset} + layer extent {extent} exceeds storage_size")
     try:
-        torch.cuda.init()  # the caching allocator opens IPC handles; uninitialised, it crashes (seen on an H200)
+        torch.cuda.init()  # type: ignore[no-untyped-call]  # the caching allocator opens IPC handles; uninitialised, it crashes (seen on an H200)
         storage = torch.UntypedStorage._new_shared_cuda(
             spec.device,
             spec.handle,

@@ -100,7 +100,7 @@ class Tiers:
 
     def page_view(self, pid: int, layout: Layout) -> memoryview:
         at = self.store.page_offset(pid)
-        return memoryview(self.arena.bytes[at : at + layout.page_bytes])
+        return self.arena.bytes[at : at + layout.page_bytes].data
 
     # ---------------------------------------------------------------- write-through
 
@@ -182,7 +182,7 @@ class Tiers:
 
     def _refill(self, key: NamespaceKey, layout: Layout, hashes: list[bytes], plan: SavePlan) -> None:
         """Reads SSD records into a refill's inflight pages and seals those that passed every check."""
-        destinations = [memoryview(self.arena.bytes[at : at + layout.page_bytes]) for at in plan.offsets]
+        destinations = [self.arena.bytes[at : at + layout.page_bytes].data for at in plan.offsets]
         try:
             results = self.ssd.read(key, layout, hashes, destinations)
         except Exception:
@@ -218,7 +218,7 @@ class Tiers:
         verified, and writes them through to SSD. Any failure is a miss of the rest, never a partial page."""
         assert self.peers is not None
         layout = sealed.layout
-        destinations = [memoryview(self.arena.bytes[at : at + layout.page_bytes]) for at in plan.offsets]
+        destinations = [self.arena.bytes[at : at + layout.page_bytes].data for at in plan.offsets]
         unsettled = False
         try:
             got, unsettled = self.peers.fetch(

@@ -33,10 +33,10 @@ def namespace_views(store: BlockStore, ssd: Tier) -> list[dict[str, Any]]:
             }
         )
     for key, (ssd_blocks, ssd_bytes, descriptor) in on_ssd.items():  # on SSD only (e.g. after a restart)
-        layout = layout_from_descriptor(descriptor)
-        assert layout is not None  # the tier keeps only namespaces whose descriptor builds
+        on_disk = layout_from_descriptor(descriptor)
+        assert on_disk is not None  # the tier keeps only namespaces whose descriptor builds
         out.append(
-            namespace_view(key, layout)
+            namespace_view(key, on_disk)
             | {
                 "resident_blocks": 0,
                 "resident_bytes": 0,

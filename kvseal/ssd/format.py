@@ -72,7 +72,7 @@ _ENTRY = np.dtype(
         ("hash", "S64"),
     ]
 )
-_HASH_AT = _ENTRY.fields["hash"][1]
+_HASH_AT: int = _ENTRY.fields["hash"][1]  # type: ignore[index]  # a structured dtype has fields
 
 
 class FormatError(DataLoss):
