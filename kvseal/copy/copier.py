@@ -18,7 +18,7 @@ together is carved or evicted in order, and vLLM hands out fresh block ids in or
       dst[offset//64]-> (layers, segments, words) view into the arena, for a page at `offset`
 
   so a span costs one `np.copyto` per run; views use 8-byte words when every offset and stride allows it (uint8
-  views copy 3-6x slower, docs/design.md §5);
+  views copy 3-6x slower, docs/design.md §6);
 - **CUDA** memory: kvseal.copy.cuda (the GPU's DMA engines, 2D copies of the same spans or one batch of rows).
 """
 

@@ -109,7 +109,7 @@ def instance_id_of(vllm_config: VllmConfig) -> str:
 
 
 def check_hashing_is_deterministic(vllm_config: VllmConfig) -> None:
-    """Two instances share blocks only if they hash tokens the same way (ARCHITECTURE §5)."""
+    """Two instances share blocks only if they hash tokens the same way (docs/design.md §6)."""
     algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
     if os.environ.get("PYTHONHASHSEED") is None and not algo.startswith("sha256"):
         raise ValueError(

@@ -84,7 +84,7 @@ class WorkerSide:
         self._ensure_registered()
 
     def _layout_tag(self, name: str, tensor: torch.Tensor) -> str:
-        """Names the packing of a block: backend, KV layout, kernel ISA path, dtypes (ARCHITECTURE §5)."""
+        """Names the packing of a block: backend, KV layout, kernel ISA path, dtypes (docs/design.md §2)."""
         layer = self._vllm_config.compilation_config.static_forward_context.get(name)
         backend = "unknown"
         if layer is not None and hasattr(layer, "attn_backend"):
