@@ -12,12 +12,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvseal.core.layout import LayerGeometry, LayerRegistration, WorkerRegistration
 from kvseal.engine.engine import Caller, Engine, QueryResult, Session
-from kvseal.engine.memory import ShmSpec
 from kvseal.memfd import SharedArray
 from kvseal.ssd.tier import DiskTier
-from kvseal.testing import MemoryDevice
+from kvseal.testing import MemoryDevice, register_one_rank
 
 SLOT = 8192
 BLOCKS = 64
@@ -27,10 +25,7 @@ POLL_S = 10.0
 
 def register_instance(engine: Engine, instance: str, dtype: str, shared: SharedArray) -> None:
     """Registers a one-layer instance of BLOCKS blocks of SLOT bytes in `shared` (one worker, SESSION's)."""
-    layer = LayerRegistration(
-        LayerGeometry("model.layers.0.attn", dtype, SLOT, 1, 0, "test"), BLOCKS, (SLOT,), ShmSpec(0, 0, SLOT * BLOCKS)
-    )
-    engine.register(WorkerRegistration(instance, "llama", 0, 1, 0, 1, 16, (layer,)), SESSION, [shared.fd])
+    register_one_rank(engine, instance, shared, namespace="llama", layout_tag="test", dtype=dtype, session=SESSION)
 
 
 class Node:

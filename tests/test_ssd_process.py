@@ -26,11 +26,12 @@ import numpy as np
 import pytest
 from conftest import REPO, EngineProcess, free_port, serve_command, wait_until
 
-from kvseal.client import EngineClient, layer_from_array
+from kvseal.client import EngineClient
 from kvseal.errors import KvsealError
 from kvseal.memfd import SharedArray
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.ssd import format as fmt
+from kvseal.testing import register_one_rank
 
 pytestmark = pytest.mark.process
 
@@ -110,19 +111,9 @@ class SsdWorker:
         self.shared = SharedArray((len(self.layers), CHUNK, SLOT))
         self.kv = self.shared.array
         self.closed = False
-        specs = [
-            layer_from_array(name, self.kv[i], self.shared, layout_tag=TAG, dtype=dtype)
-            for i, name in enumerate(self.layers)
-        ]
-        self.client.register(
-            instance_id=instance_id,
-            namespace=namespace,
-            tp_rank=0,
-            tp_size=1,
-            pp_rank=0,
-            world_size=1,
-            block_size=16,
-            layers=specs,
+        layers_kv = {name: self.kv[i] for i, name in enumerate(self.layers)}
+        register_one_rank(
+            self.client, instance_id, self.shared, layers_kv, namespace=namespace, layout_tag=TAG, dtype=dtype
         )
 
     def expected(self, block_hash: bytes) -> list[bytes]:
