@@ -91,7 +91,9 @@ class LoadPlan:
 
 
 @dataclass(frozen=True, slots=True)
-class QueryResult:
+class PinnedPrefix:
+    """What a store query found: the leading hashes resident, pinned under `lease_id` (0: none pinned)."""
+
     hits: int
     lease_id: int
 
@@ -268,7 +270,7 @@ class BlockStore:
         ttl_s: float | None = None,
         *,
         count: bool = True,
-    ) -> QueryResult:
+    ) -> PinnedPrefix:
         """Counts the leading sealed hashes and pins them under a lease of `shares` loads (one per worker).
         `count`: whether the namespace's hits and misses count it (not for another node's fetch)."""
         self.expire()
@@ -283,10 +285,10 @@ class BlockStore:
             ns.hits += len(pages)
             ns.misses += len(hashes) - len(pages)
         if not pages:
-            return QueryResult(0, 0)
+            return PinnedPrefix(0, 0)
         deadline = self._clock() + (self.lease_ttl_s if ttl_s is None else ttl_s)
         self._pages.pin(pages)
-        return QueryResult(len(pages), self._leases.open(owner, tuple(pages), shares, deadline))
+        return PinnedPrefix(len(pages), self._leases.open(owner, tuple(pages), shares, deadline))
 
     def release(self, lease_id: int, owner: str) -> None:
         lease = self._leases.get(lease_id)
