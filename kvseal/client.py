@@ -76,8 +76,8 @@ class EngineClient:
         )
         self._stub = pb_grpc.EngineStub(self._channel)
         self._token = token
-        self._lane: _Lane | None = None
-        self._session_lane: _Lane | None = None  # the connection that carried the last registration
+        self._lane: _LaneConnection | None = None
+        self._session_lane: _LaneConnection | None = None  # the connection that carried the last registration
         self._lane_lock = threading.Lock()
         self._lane_spin_s = lane_spin_us / 1e6
         self._engine_uids = {0, os.getuid()} | ({engine_uid} if engine_uid is not None else set())
@@ -200,7 +200,7 @@ class EngineClient:
             return None
         return self._lane_required().call(frame, spin_s=self._lane_spin_s if spin else 0.0)
 
-    def _lane_required(self) -> _Lane:
+    def _lane_required(self) -> _LaneConnection:
         """The lane connection, opened (and greeted with the token) on first use, or again after it broke or the
         engine closed it (a restarted engine: what it carried is gone, session_alive() says so)."""
         with self._lane_lock:
@@ -208,11 +208,11 @@ class EngineClient:
                 path = self.info().lane_socket
                 if not path:
                     raise Unavailable(f"the engine at {self.target} announces no local lane")
-                self._lane = _Lane(path, self.timeout, self._token, self._engine_uids)
+                self._lane = _LaneConnection(path, self.timeout, self._token, self._engine_uids)
             return self._lane
 
 
-class _Lane:
+class _LaneConnection:
     """One connection to the engine's local lane (kvseal.wire.lane): the session of what it registers. `call` returns
     the OK body or raises the engine's error; a connection that failed (deadline, engine gone) is closed and marked
     broken, and every registration it carried is gone with it."""
