@@ -12,4 +12,7 @@ kvseal bench mooncake [NBYTES]                    # kvseal.bench.mooncake: Moonc
 
 Processes they run separately: `python -m kvseal.bench.vllm_ttft_run` (one vLLM run), `python -m
 kvseal.bench.vllm_ttft_model OUTDIR` (builds the model), `python -m kvseal.bench.mooncake --serve NBYTES`.
+Modules that are no benchmark of their own: kvseal.bench.harness (what several benchmarks share: the engine
+subprocess, a worker's KV memory and its registration, block hashes, the memcpy ceiling, CPU accounting) and
+kvseal.bench.engine_cases (the engine benchmark's cases).
 """

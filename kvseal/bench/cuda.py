@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvseal.bench.engine import START_TIMEOUT_S, Hashes, start_engine
+from kvseal.bench.harness import START_TIMEOUT_S, Hashes, start_engine
 from kvseal.client import EngineClient, layer_from_tensor
 from kvseal.errors import KvsealError
 from kvseal.testing.process import EngineProcess

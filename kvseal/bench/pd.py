@@ -47,8 +47,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvseal.bench.engine import START_TIMEOUT_S as ENGINE_START_TIMEOUT_S
-from kvseal.bench.engine import CpuWatch
+from kvseal.bench.harness import START_TIMEOUT_S as ENGINE_START_TIMEOUT_S
+from kvseal.bench.harness import CpuWatch
 from kvseal.bench.vllm_ttft import engine_process, ensure_model, pinned, vllm_env
 from kvseal.testing.process import free_port
 

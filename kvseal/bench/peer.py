@@ -40,7 +40,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvseal.bench.engine import START_TIMEOUT_S, Hashes, Memcpy, SharedKV, layer_names, register, start_engine
+from kvseal.bench.harness import START_TIMEOUT_S, Hashes, Memcpy, SharedKV, layer_names, register, start_engine
 from kvseal.client import EngineClient
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc

@@ -158,7 +158,7 @@ def _throughput_case(plan: Plan, directory: Path, page_bytes: int) -> dict[str, 
 def _save_case(plan: Plan, directory: Path, with_ssd: bool) -> tuple[float, float, int]:
     """Save GB/s through a real engine (best of the repetitions), seconds from the last Save until the SSD had
     written (or skipped) every block, and how many it skipped (0, 0 without the tier)."""
-    from kvseal.bench.engine import START_TIMEOUT_S, Hashes, SharedKV, layer_names, register, start_engine
+    from kvseal.bench.harness import START_TIMEOUT_S, Hashes, SharedKV, layer_names, register, start_engine
     from kvseal.client import EngineClient
 
     reps, batch = (6, 64) if plan is FULL else (3, 32)

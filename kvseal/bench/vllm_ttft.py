@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from kvseal.bench import vllm_ttft_model
-from kvseal.bench.engine import START_TIMEOUT_S, CpuWatch, start_engine
+from kvseal.bench.harness import START_TIMEOUT_S, CpuWatch, start_engine
 from kvseal.testing.process import EngineProcess
 
 RUNS = (
