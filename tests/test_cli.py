@@ -61,6 +61,7 @@ BAD = [
     (["--pool-size", "0"], "--pool-size"),
     (["--pool-size", "0.1"], "--pool-size"),  # 0 bytes
     (["--pool-size", "12parsecs"], "--pool-size"),
+    (["--pool-size", "9" * 400], "--pool-size"),  # was an OverflowError traceback
     (["--slab-size", "0"], "--slab-size"),
     (["--pool-size", "8MiB", "--slab-size", "16MiB"], "--slab-size"),
     (["--lane-max-connections", "0"], "--lane-max-connections"),
@@ -437,7 +438,10 @@ def test_sizes_read_as_written_and_written_as_read() -> None:
         1536,
         2 * 10**12,
     ]
-    for n in (0, 1000, 3 << 10, 7 << 20, 3 << 30, 2 << 40):
+    for n in (0, 1000, 3 << 10, 7 << 20, 3 << 30, 2 << 40, 5 << 50):
         assert parse_size(format_size(n)) == n
     with pytest.raises(ValueError, match=r"^'1 parsec' is not a size such as 1GiB"):
         parse_size("1 parsec")
+    assert parse_size(format_size(1 << 60)) == 1 << 60
+    with pytest.raises(ValueError, match=r"\(400 characters\) is more than 1 EiB$"):
+        parse_size("9" * 400)  # exact arithmetic: no float overflow, and the message quotes a few dozen bytes
