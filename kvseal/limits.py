@@ -31,7 +31,7 @@ def check_length(field: str, value: Sized, limit: int) -> None:
         raise InvalidArgument(f"{field} has {len(value)} {unit}; at most {limit}")
 
 
-# the MetaServer (kvseal.meta.server): fields of its requests (namespace_final: MAX_NAMESPACE_FINAL_CHARS)
+# the MetaServer (kvseal.meta.checks): fields of its requests (namespace_final: MAX_NAMESPACE_FINAL_CHARS)
 MAX_NODE_ID_CHARS = 256  # node_id and session
 MAX_ADDRESS_CHARS = 256
 MAX_NAMESPACES_PER_REQUEST = 1024  # groups of one Announce / Withdraw

@@ -1,1 +1,2 @@
-"""The MetaServer: which node holds which block (store), served over gRPC (server); `kvseal metaserver`."""
+"""The MetaServer: which node holds which block (store), served over gRPC (service, put together by server);
+`kvseal metaserver`."""
