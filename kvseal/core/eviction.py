@@ -29,11 +29,11 @@ class Eviction:
         self._changes = changes
         self.evictions = 0  # pages evicted (by the LRU policy or a slab's drain; not purged ones)
 
-    def evict(self, c: int, n: int, protected: Collection[int] = ()) -> list[int]:
+    def evict(self, c: int, n: int, protected: Collection[int] = (), *, reuse: bool = False) -> list[int]:
         """Evicts exactly n of class c's least recently used pages that are not in `protected` (page ids), least
         recent first, or none when it has fewer than n (returns [] and changes nothing). The pages come back
         FREE, still counted as used in their slabs: the caller reuses them in place or gives them back
-        (Slabs.free)."""
+        (Slabs.free). `reuse`: the caller opens them at once (pages.forget's `reused`)."""
         prev = self._pages.prev
         sentinel = self._pages.sentinel[c]  # the ring: sentinel.prev is the least recently used page
         victims: list[int] = []
@@ -49,14 +49,16 @@ class Eviction:
                 pid = prev[pid]
         if len(victims) < n:
             return []
-        self.forget(victims)
+        self.forget(victims, lru_tail=not protected, reused=reuse)
         return victims
 
-    def forget(self, pids: Sequence[int], *, evicted: bool = True) -> None:
+    def forget(
+        self, pids: Sequence[int], *, evicted: bool = True, lru_tail: bool = False, reused: bool = False
+    ) -> None:
         """Sealed unpinned pages of one size class stop holding their blocks: out of their namespace's index, the
         resident counts and the LRU ring; FREE, with a change noted for each. They stay counted as used in their
         slabs: the caller gives them back (Slabs.free) or reuses them. `evicted`: whether they count as evictions
-        (purged pages do not)."""
+        (purged pages do not); `lru_tail`, `reused`: as pages.forget's."""
         if not pids:
             return
         pages, records = self._pages, self._namespaces.records
@@ -70,6 +72,6 @@ class Eviction:
         for ns_id, count in counts.items():
             self._namespaces.count_resident(ns_id, -count)
         self._changes.record(False, map(ns_of.__getitem__, pids), map(hash_of.__getitem__, pids))
-        pages.forget(pids)
+        pages.forget(pids, lru_tail=lru_tail, reused=reused)
         if evicted:
             self.evictions += len(pids)

@@ -20,6 +20,7 @@ The state table (every transition there is, and who asks for it)
     drop           INFLIGHT -> FREE                finish_save (nothing written), expire (see `stale`)
     pin / unpin    SEALED, pins +1 / -1            query, begin_load / finish_load, leases, pin_pages (an SSD write)
     forget         SEALED, unpinned -> FREE        eviction.py only: purge, a slab's drain step, LRU eviction
+                   (SEALED -> INFLIGHT at once)    LRU eviction for a save, which opens the pages in place
     mark_refill    INFLIGHT, refill flag on / off  begin_refill / finish_refill, abandon_refill
 
 - INFLIGHT pages are in their namespace's index (so workers of one instance fill the same page) but never answer
@@ -42,9 +43,10 @@ from __future__ import annotations
 
 import enum
 from array import array
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice, repeat
 
 FREE, INFLIGHT, SEALED, SENTINEL = 0, 1, 2, 3  # PageTable.state values
 PAGE_TABLE_CHUNK = 4096  # page ids the page table grows by when none is free
@@ -166,7 +168,8 @@ class PageTable:
     # ---------------------------------------------------------------- FREE -> INFLIGHT -> SEALED | FREE
 
     def open(self, pids: list[int], ns_id: int, hashes: Sequence[bytes], writers: int, deadline: float) -> None:
-        """FREE -> INFLIGHT: pages of one size class the allocator just handed over, pids[k] for hashes[k], each
+        """FREE -> INFLIGHT (or, for pages evicted to be reused, SEALED -> INFLIGHT: `forget`): pages of one size
+        class the allocator just handed over, pids[k] for hashes[k], each
         with `writers` open plans and no cell written; dropped at `deadline` if no writer is left by then (the
         caller gives deadlines in increasing order: `stale` stops at the first one ahead)."""
         if not pids:
@@ -344,27 +347,30 @@ class PageTable:
         state, pins = self.state, self.pins
         return [pid for pid in pids if state[pid] == SEALED and pins[pid] == 0]
 
-    def forget(self, pids: Sequence[int]) -> None:
+    def forget(self, pids: Sequence[int], *, lru_tail: bool = False, reused: bool = False) -> None:
         """SEALED, unpinned -> FREE: pages of one size class leave its ring and hold no hash. Only eviction.py
-        calls this (it takes the pages out of their index first)."""
+        calls this (it takes the pages out of their index first). `lru_tail`: the caller guarantees the pages are
+        the ring's least recently used ones, least recent first (what LRU eviction takes): they leave in one
+        splice. `reused`: the caller guarantees it opens them next, in the same call (a save evicting to make room
+        reuses the pages in place): `open` writes their state and hash, so they are not written twice."""
         if not pids:
             return
-        prev, nxt, state, hash_of = self.prev, self.next, self.state, self.block_hash
-        # pages that follow each other in the ring, less recent first (an LRU tail), leave it in one splice
-        pages = iter(pids)
-        first = last = next(pages)
-        state[first] = FREE
-        hash_of[first] = None
-        for pid in pages:
-            state[pid] = FREE
-            hash_of[pid] = None
-            if prev[last] == pid:  # the next more recent page: the run goes on
-                last = pid
-                continue
-            p, q = prev[last], nxt[first]
-            nxt[p] = q
-            prev[q] = p
-            first = last = pid
+        prev, nxt = self.prev, self.next
+        if not reused:
+            deque(map(self.state.__setitem__, pids, repeat(FREE)), maxlen=0)
+            deque(map(self.block_hash.__setitem__, pids, repeat(None)), maxlen=0)
+        first = last = pids[0]
+        if lru_tail:
+            last = pids[-1]
+        else:  # pages that follow each other in the ring, less recent first, leave it run by run
+            for pid in islice(pids, 1, None):
+                if prev[last] == pid:  # the next more recent page: the run goes on
+                    last = pid
+                    continue
+                p, q = prev[last], nxt[first]
+                nxt[p] = q
+                prev[q] = p
+                first = last = pid
         p, q = prev[last], nxt[first]
         nxt[p] = q
         prev[q] = p

@@ -102,7 +102,8 @@ class Slabs:
     # ---------------------------------------------------------------- allocating and freeing
 
     def allocate(self, c: int, n: int, budget: int) -> list[int]:
-        """Up to n FREE pages of class c, counted as used in their slabs (the caller opens them); fewer only when
+        """Up to n pages of class c, counted as used in their slabs, for the caller to open at once (evicted ones are
+        handed over unwritten: pages.forget's `reused`); fewer only when
         the pool has no more room for the class. In order of preference: free pages of slabs the class holds, free
         slabs, the class's own least recently used pages (evicted and reused in place), whole slabs of other
         classes (emptied, looking at no more than `budget` of their page ids in this call: the rest of a big slab
@@ -129,7 +130,7 @@ class Slabs:
                 slab = self.free_slabs.pop()
                 self._pages.slab_class[slab] = c
                 partial[slab] = None
-            elif victims := self._eviction.evict(c, min(n - len(out), lru_len[c])):
+            elif victims := self._eviction.evict(c, min(n - len(out), lru_len[c]), reuse=True):
                 out += victims
             elif budget > 0 and (spent := self.reclaim_for(c, budget)):
                 budget -= spent
