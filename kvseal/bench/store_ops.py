@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvseal.bench.harness import Hashes
 from kvseal.core.layout import LayerGeometry, build_layout
 from kvseal.core.store import BlockStore
 from kvseal.engine.engine import Caller, Engine, Session
@@ -35,16 +36,6 @@ from kvseal.testing.worker import register_one_rank
 
 BATCHES = (256, 8192)
 MiB = 1 << 20
-
-
-class Hashes:
-    def __init__(self) -> None:
-        self._prefix = os.urandom(16)
-        self._next = 0
-
-    def take(self, n: int) -> list[bytes]:
-        start, self._next = self._next, self._next + n
-        return [self._prefix + i.to_bytes(16, "big") for i in range(start, start + n)]
 
 
 def geometry(name: str, nbytes: int) -> LayerGeometry:
