@@ -264,7 +264,7 @@ def token_interceptor(token: str) -> Any:
     but gRPC health checks. grpc is imported here, not at the top: the CLI checks addresses without it."""
     import grpc
 
-    class TokenInterceptor(grpc.ServerInterceptor):
+    class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc ships no types
         def __init__(self) -> None:
             self._expected = f"Bearer {token}"
             self._deny = grpc.unary_unary_rpc_method_handler(

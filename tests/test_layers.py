@@ -14,7 +14,7 @@ KVSEAL = Path(__file__).resolve().parent.parent / "kvseal"
 FLOORS: list[tuple[str, ...]] = [
     # the ground: errors and their table, limits, memfds, the proto, who calls, sizes
     ("kvseal", "kvseal.errors", "kvseal.limits", "kvseal.memfd", "kvseal.proto", "kvseal.auth", "kvseal.units"),
-    ("kvseal.rpc", "kvseal.sockets"),  # the one gRPC servicer-method handler; exact-size socket reads
+    ("kvseal.rpc", "kvseal.httpd", "kvseal.sockets"),  # one gRPC method handler, one HTTP handler; socket reads
     ("kvseal.core",),  # pure: layout, seal, store
     ("kvseal.wire", "kvseal.copy"),  # sans-I/O codecs (the lane's, the peer protocol's); byte movers
     ("kvseal.ssd",),

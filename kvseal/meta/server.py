@@ -77,7 +77,7 @@ class MetaServer:
             raise Unavailable(f"cannot listen on {quote(self.cfg.listen)} (--listen): in use? pass another --listen")
         self.service.port = self.port
         if self.cfg.http_listen:
-            self._http = serve_http(self, self.cfg.http_listen)
+            self._http = serve_http(self.cfg.http_listen, self.cfg.token, self.registry, self.service.store_error)
         self._grpc.start()
         threading.Thread(target=self._maintain, name="kvseal-meta-maintain", daemon=True).start()
 

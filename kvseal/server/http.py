@@ -3,43 +3,31 @@
 cannot share blocks) (JSON), and DELETE /v1/namespaces/<namespace_final>[?uid=N], which purges a final namespace
 from memory and SSD.
 
-Who may ask: /health, anyone. Every other path: with a token, whoever sends it; without one, only a client whose
-socket belongs to the engine's uid or root (kvseal.auth), since they show every tenant's namespaces.
+Who may ask, and how errors answer: kvseal.httpd.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hmac
-import json
-import logging
-import os
 import socket
 import threading
 import urllib.parse
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvseal.auth import local_uid_allowed, tcp_peer_uid
 from kvseal.engine.engine import Engine
 from kvseal.errors import (
     InvalidArgument,
-    KvsealError,
     NotFound,
-    PermissionDenied,
-    Unauthenticated,
     Unavailable,
     quote,
-    translate,
 )
+from kvseal.httpd import JsonHandler
 from kvseal.limits import MAX_NAMESPACE_FINAL_CHARS
 from kvseal.server.metrics import Metrics
-
-log = logging.getLogger("kvseal.server")
 
 
 class HttpServer:
@@ -78,45 +66,32 @@ class _HttpServer6(ThreadingHTTPServer):
     address_family = socket.AF_INET6
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     engine: Engine
     metrics: Metrics
-    token: str | None
-    server_version = "kvseal"
-
-    def log_message(self, format: str, *args: Any) -> None:  # quiet: metrics scrapes would flood the log
-        pass
+    who = "the engine"
+    token_flag = "--token (or $KVSEAL_TOKEN)"
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        self._answer(self._get)
+        self.answer(self._get)
 
     def do_DELETE(self) -> None:  # noqa: N802
-        self._answer(self._delete)
-
-    def _answer(self, serve: Callable[[str], None]) -> None:
-        """Serves the request; an error answers the status kvseal.errors' table gives it, as JSON {"error": ...}."""
-        path = urllib.parse.urlsplit(self.path).path
-        try:
-            self._check_allowed(path)
-            serve(path)
-        except Exception as e:
-            if not isinstance(e, KvsealError):
-                log.exception("HTTP %s %s failed", self.command, quote(path))
-            status, message = translate(e, f"{self.command} {quote(path)} failed inside the engine")
-            self._send(status.http, "application/json", json.dumps({"error": message}).encode())
+        self.answer(self._delete)
 
     def _get(self, path: str) -> None:
         if path == "/health":
             if self.server.ready.is_set():  # type: ignore[attr-defined]
-                self._send(200, "application/json", b'{"status":"ok"}')
+                self.send(200, "application/json", b'{"status":"ok"}')
             else:
-                self._send(503, "application/json", b'{"status":"unavailable"}')
+                self.send(503, "application/json", b'{"status":"unavailable"}')
         elif path == "/metrics":
-            self._send(200, CONTENT_TYPE_LATEST, generate_latest(self.metrics.registry))
+            self.send(200, CONTENT_TYPE_LATEST, generate_latest(self.metrics.registry))
         elif path == "/v1/namespaces":
-            self._json(self.engine.namespaces())
+            self.send_json(self.engine.namespaces())
         elif path == "/v1/instances":
-            self._json([dataclasses.asdict(s) | {"descriptor": s.descriptor.decode()} for s in self.engine.instances()])
+            self.send_json(
+                [dataclasses.asdict(s) | {"descriptor": s.descriptor.decode()} for s in self.engine.instances()]
+            )
         elif path == "/v1/peers":
             self._peers()
         elif path == "/v1/compatibility":
@@ -139,7 +114,7 @@ class _Handler(BaseHTTPRequestHandler):
         purged = self.engine.purge(namespace, None if uid_arg is None else int(uid_arg))
         if not purged:
             raise NotFound(f"no namespace {quote(namespace)} in memory or on SSD")
-        self._json(purged)
+        self.send_json(purged)
 
     def _compatibility(self) -> None:
         query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
@@ -153,7 +128,7 @@ class _Handler(BaseHTTPRequestHandler):
                 raise InvalidArgument(f"{name} has {len(value)} characters; at most {MAX_NAMESPACE_FINAL_CHARS}")
         diffs, message = self.engine.compare(a, b)
         differences = [{"field": d.field, "layer": d.layer, "a": d.left, "b": d.right} for d in diffs]
-        self._json({"compatible": not diffs, "message": message, "differences": differences})
+        self.send_json({"compatible": not diffs, "message": message, "differences": differences})
 
     def _peers(self) -> None:
         fetcher = self.server.peers  # type: ignore[attr-defined]
@@ -163,40 +138,4 @@ class _Handler(BaseHTTPRequestHandler):
             nodes = fetcher.nodes()
         except grpc.RpcError as e:
             raise Unavailable(f"the MetaServer does not answer: {e.code().name}") from None
-        self._json({"node_id": fetcher.node_id, "nodes": nodes})
-
-    def _check_allowed(self, path: str) -> None:
-        """Raises Unauthenticated / PermissionDenied when this client may not have `path`."""
-        if path == "/health":
-            return
-        if self.token is not None:
-            given = self.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
-                raise Unauthenticated("missing or wrong bearer token")
-            return
-        uid = self._peer_uid()
-        if not local_uid_allowed(uid):
-            who = "this client's uid could not be found" if uid is None else f"this client is uid {uid}"
-            raise PermissionDenied(
-                f"without a token, {path} is only for the engine's user (uid {os.getuid()}) and root, and {who}: "
-                "run the client as one of those, or start the engine with --token (or $KVSEAL_TOKEN) and send "
-                "'Authorization: Bearer <token>'"
-            )
-
-    def _peer_uid(self) -> int | None:
-        """The uid owning the client's socket of this connection (looked up once: one handler per connection)."""
-        if not hasattr(self, "_uid"):
-            host, port = self.client_address[:2]
-            server_host, server_port = self.connection.getsockname()[:2]
-            self._uid = tcp_peer_uid(host, port, server_port, server_host=server_host)
-        return self._uid
-
-    def _json(self, value: Any) -> None:
-        self._send(200, "application/json", json.dumps(value, indent=1).encode())
-
-    def _send(self, code: int, content_type: str, body: bytes) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        self.send_json({"node_id": fetcher.node_id, "nodes": nodes})
