@@ -113,6 +113,10 @@ class DeadlineExceeded(KvsealError):
     status = "DEADLINE_EXCEEDED"
 
 
+class ConfigError(InvalidArgument, ValueError):
+    """A configuration that cannot run anywhere: a usage error. The message starts with the flag at fault."""
+
+
 class DataLoss(KvsealError):
     """Stored bytes are not what was written (a torn or foreign SSD segment)."""
 

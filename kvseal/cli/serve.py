@@ -22,7 +22,8 @@ from kvseal.cli.parsing import (
     positive_seconds,
     positive_size,
 )
-from kvseal.server.config import ConfigError, ServeConfig, check_config
+from kvseal.errors import ConfigError
+from kvseal.server.config import ServeConfig, check_config
 from kvseal.units import format_size
 
 

@@ -21,7 +21,7 @@ from kvseal.cli.parsing import (
     positive_seconds,
     positive_size,
 )
-from kvseal.server.config import ConfigError
+from kvseal.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvseal.router import RouterConfig

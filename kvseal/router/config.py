@@ -8,7 +8,7 @@ import urllib.parse
 from dataclasses import dataclass
 
 from kvseal.auth import is_loopback
-from kvseal.server.config import ConfigError
+from kvseal.errors import ConfigError
 
 POLICIES = ("round_robin", "least_inflight")
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # a long prompt, or a few images, fit

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from kvseal.auth import is_loopback
 from kvseal.core.store import PAGE_ALIGN
-from kvseal.errors import InvalidArgument
+from kvseal.errors import ConfigError
 from kvseal.units import format_size
 
 
@@ -40,10 +40,6 @@ class ServeConfig:
     peer_listen: str = ""  # HOST:PORT serving other nodes' fetches (default with a MetaServer: 127.0.0.1, any port)
     peer_transport: str = "tcp"  # tcp | mooncake
     peer_timeout_s: float = 10.0
-
-
-class ConfigError(InvalidArgument, ValueError):
-    """A configuration that cannot run anywhere: a usage error. The message starts with the flag at fault."""
 
 
 def _is_wildcard(address: str) -> bool:
