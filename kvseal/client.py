@@ -119,7 +119,11 @@ class EngineClient:
         world_size: int,
         block_size: int,
         layers: Sequence[pb.LayerSpec],
+        groups: Sequence[tuple[str, int, int]] = (),
     ) -> pb.InstanceStatus:
+        """Registers this worker's layers. `groups`: the KV cache groups as (kind, block_size, span) (kind full,
+        sliding, chunked or mamba; span the window or chunk in tokens), indexed by the layers' group_id; none is
+        one full-attention group of block_size."""
         request = pb.RegisterRequest(
             instance_id=instance_id,
             namespace=namespace,
@@ -129,6 +133,7 @@ class EngineClient:
             world_size=world_size,
             block_size=block_size,
             layers=layers,
+            groups=[pb.KvGroup(kind=k, block_size=b, span=n) for k, b, n in groups],
         )
         wire, fds = _fds_as_indexes(request)
         lane = self._lane_required()

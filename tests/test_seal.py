@@ -5,14 +5,19 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
+import re
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvseal.core.layout import (
+    GROUP_KINDS,
+    SPAN_KINDS,
     InstanceRegistry,
+    KvGroup,
     LayerGeometry,
     LayerRegistration,
     SealedInstance,
@@ -20,6 +25,7 @@ from kvseal.core.layout import (
     build_layout,
     diff_layouts,
     explain_difference,
+    layout_from_descriptor,
 )
 from kvseal.errors import FailedPrecondition, InvalidArgument
 
@@ -44,6 +50,7 @@ class InstanceSpec:
     block_size: int
     geometries: tuple[LayerGeometry, ...]
     stage_of: dict[str, int]  # layer name -> the pp stage that owns it
+    groups: tuple[KvGroup, ...] = ()  # none: one full-attention group; else every group holds a layer
 
     @property
     def world_size(self) -> int:
@@ -85,6 +92,7 @@ def registrations(spec: InstanceSpec, rnd: random.Random) -> list[WorkerRegistra
                     world_size=spec.world_size,
                     block_size=spec.block_size,
                     layers=tuple(layers),
+                    groups=spec.groups,
                 )
             )
     rnd.shuffle(workers)
@@ -107,15 +115,22 @@ def summary(s: SealedInstance) -> tuple[object, ...]:
     return (s.layer_ids, s.layout.descriptor, s.layout.digest, s.layout.fingerprint, s.namespace_final)
 
 
-def geometry_for(draw: st.DrawFn, name: str) -> LayerGeometry:
+def geometry_for(draw: st.DrawFn, name: str, group_id: int) -> LayerGeometry:
     return LayerGeometry(
         name=name,
         dtype=draw(st.sampled_from(DTYPES)),
         segment_bytes=draw(st.integers(1, 1 << 16)),
         segments=draw(st.sampled_from((1, 2))),
-        group_id=draw(st.integers(0, 3)),
+        group_id=group_id,
         layout_tag=draw(st.sampled_from(TAGS)),
     )
+
+
+@st.composite
+def kv_groups(draw: st.DrawFn, block_size: int) -> KvGroup:
+    kind = draw(st.sampled_from(GROUP_KINDS))
+    span = draw(st.integers(1, 1 << 16)) if kind in SPAN_KINDS else 0
+    return KvGroup(kind, draw(st.sampled_from((block_size, 2 * block_size, 544))), span)
 
 
 layer_names = st.one_of(
@@ -136,15 +151,19 @@ def instance_specs(draw: st.DrawFn) -> InstanceSpec:
     tp_size = draw(st.integers(1, 4))
     pp_size = draw(st.integers(1, 2))
     # at least pp_size + 1 layers, so some stage owns two and a layer can be removed without emptying a stage
-    names = draw(st.lists(layer_names, min_size=pp_size + 1, max_size=7, unique=True))
+    block_size = draw(st.sampled_from((1, 16, 32, 64, 128)))
+    groups = tuple(draw(st.lists(kv_groups(block_size), max_size=3)))
+    names = draw(st.lists(layer_names, min_size=max(pp_size + 1, len(groups)), max_size=7, unique=True))
+    group_ids = draw(st.permutations([i % max(len(groups), 1) for i in range(len(names))]))  # every group a layer
     return InstanceSpec(
         instance_id=draw(st.sampled_from(("inst-a", "inst-b", "node3/vllm:0"))),
         namespace=draw(st.sampled_from(NAMESPACES)),
         tp_size=tp_size,
         pp_size=pp_size,
-        block_size=draw(st.sampled_from((1, 16, 32, 64, 128))),
-        geometries=tuple(geometry_for(draw, name) for name in names),
+        block_size=block_size,
+        geometries=tuple(geometry_for(draw, name, gid) for name, gid in zip(names, group_ids, strict=True)),
         stage_of=stage_split(draw, names, pp_size),
+        groups=groups,
     )
 
 
@@ -220,6 +239,7 @@ MUTATIONS = (
     "dtype",
     "layout_tag",
     "group_id",
+    "groups",
     "add_mtp_layer",
     "remove_layer",
     "block_size",
@@ -240,8 +260,19 @@ def mutate(spec: InstanceSpec, mutation: str, draw: st.DrawFn) -> InstanceSpec:
         return spec.with_geometry(name, dtype=draw(st.sampled_from([d for d in DTYPES if d != g.dtype])))
     if mutation == "layout_tag":
         return spec.with_geometry(name, layout_tag=draw(st.sampled_from([t for t in TAGS if t != g.layout_tag])))
-    if mutation == "group_id":
-        return spec.with_geometry(name, group_id=draw(st.integers(0, 7).filter(lambda v: v != g.group_id)))
+    if mutation == "group_id":  # a layer moves to another group, leaving none empty
+        members = Counter(x.group_id for x in spec.geometries)
+        movable = [x.name for x in spec.geometries if members[x.group_id] > 1]
+        assume(len(spec.groups) > 1 and movable)
+        name = draw(st.sampled_from(movable))
+        others = [i for i in range(len(spec.groups)) if i != spec.geometry(name).group_id]
+        return spec.with_geometry(name, group_id=draw(st.sampled_from(others)))
+    if mutation == "groups":  # vLLM's hybrid manager on (a window) where it was off, or one group otherwise
+        if not spec.groups:
+            return replace(spec, groups=(KvGroup("sliding", spec.block_size, draw(st.integers(1, 4096))),))
+        i = draw(st.integers(0, len(spec.groups) - 1))
+        other = draw(kv_groups(spec.block_size).filter(lambda k: k != spec.groups[i]))
+        return replace(spec, groups=spec.groups[:i] + (other,) + spec.groups[i + 1 :])
     if mutation == "add_mtp_layer":
         n = 64
         while f"model.layers.{n}.self_attn.attn" in spec.stage_of:
@@ -254,7 +285,11 @@ def mutate(spec: InstanceSpec, mutation: str, draw: st.DrawFn) -> InstanceSpec:
         )
     if mutation == "remove_layer":
         per_stage = {s: sum(1 for v in spec.stage_of.values() if v == s) for s in range(spec.pp_size)}
-        removable = sorted(n for n, s in spec.stage_of.items() if per_stage[s] > 1)
+        members = Counter(x.group_id for x in spec.geometries)  # no stage nor group left empty
+        removable = sorted(
+            n for n, s in spec.stage_of.items() if per_stage[s] > 1 and members[spec.geometry(n).group_id] > 1
+        )
+        assume(removable)
         victim = draw(st.sampled_from(removable))
         return replace(
             spec,
@@ -295,7 +330,7 @@ _DIFF_OF = {
 
 @PROPERTY_SETTINGS
 @given(spec=instance_specs(), mutation=st.sampled_from(MUTATIONS), data=st.data(), rnd1=seeds, rnd2=seeds)
-def test_the_difference_of_two_layouts_names_what_was_changed(
+def test_the_difference_of_two_layouts_names_what_was_changed(  # noqa: C901
     spec: InstanceSpec, mutation: str, data: st.DataObject, rnd1: random.Random, rnd2: random.Random
 ) -> None:
     changed = mutate(spec, mutation, data.draw)
@@ -304,6 +339,10 @@ def test_the_difference_of_two_layouts_names_what_was_changed(
     assert diff_layouts(a, a) == [] and explain_difference(a, b, "P", "D") != ""
     diffs = diff_layouts(a, b)
     field, names_layer = _DIFF_OF.get(mutation, (mutation, True))
+    if mutation == "groups":  # the group list's length changed ("groups"), or one group ("group N")
+        field = "groups" if len(a.groups) != len(b.groups) else diffs[0].field
+        assert field.startswith("group") and not diffs[0].layer
+        names_layer = False
     assert [d.field for d in diffs] == [field]  # exactly the change: a layer added shifts no other layer's id
     assert bool(diffs[0].layer) == names_layer
     if mutation == "add_mtp_layer":
@@ -394,9 +433,18 @@ def wreg(
     block_size: int = 16,
     instance_id: str = "inst",
     namespace: str = "ns",
+    groups: tuple[KvGroup, ...] = (),
 ) -> WorkerRegistration:
     return WorkerRegistration(
-        instance_id, namespace, tp_rank, tp_size, pp_rank, world_size, block_size, tuple(lreg(g) for g in layers)
+        instance_id,
+        namespace,
+        tp_rank,
+        tp_size,
+        pp_rank,
+        world_size,
+        block_size,
+        tuple(lreg(g) for g in layers),
+        groups,
     )
 
 
@@ -431,22 +479,24 @@ def test_missing_owner_names_layer_and_rank_and_retry_seals() -> None:
         ("segment_bytes", {"segment_bytes": 2048}),
         ("segments", {"segments": 1}),
         ("dtype", {"dtype": "float16"}),
-        ("group_id", {"group_id": 1}),
+        ("group_id", {"group_id": 0}),
         ("layout_tag", {"layout_tag": "cpu_attn.amx"}),
     ],
 )
 def test_inconsistent_geometry_names_the_field(field_name: str, changes: dict[str, object]) -> None:
+    groups = (KvGroup("full", 16), KvGroup("sliding", 16, 1024))  # layer 1 in the sliding window group
+    L1 = geo("model.layers.1.attn", group_id=1)  # noqa: N806
     registry = InstanceRegistry("inst")
-    registry.add(wreg(0, [L0, L1]))
+    registry.add(wreg(0, [L0, L1], groups=groups))
     before = dict(registry.workers)
     with pytest.raises(FailedPrecondition) as exc:
-        registry.add(wreg(1, [L0, replace(L1, **changes)]))
+        registry.add(wreg(1, [L0, replace(L1, **changes)], groups=groups))
     message = str(exc.value)
     assert field_name in message
     assert "model.layers.1.attn" in message
     assert "tp_rank 1" in message and "tp_rank 0" in message
     assert_unchanged(registry, before)
-    assert registry.add(wreg(1, [L0, L1])) is not None
+    assert registry.add(wreg(1, [L0, L1], groups=groups)) is not None
 
 
 @pytest.mark.parametrize(
@@ -570,3 +620,76 @@ def test_registration_for_another_instance_is_refused() -> None:
     with pytest.raises(InvalidArgument, match="instance_id"):
         registry.add(BASE)
     assert registry.workers == {} and registry.sealed is None
+
+
+# ------------------------------------------------------------------------------------------ KV cache groups
+
+GEMMA = (KvGroup("sliding", 16, 1024), KvGroup("full", 16))  # 5 sliding-window layers : 1 full
+
+
+def gemma_layers(*, window_group: int = 0) -> list[LayerGeometry]:
+    return [geo(f"model.layers.{i}.attn", group_id=window_group if i % 6 else 1 - window_group) for i in range(6)]
+
+
+def test_no_groups_and_one_full_group_are_todays_format_1_layout() -> None:
+    layers = [geo("model.layers.0.attn"), geo("model.layers.1.attn")]
+    implicit = build_layout(16, 2, layers)
+    explicit = build_layout(16, 2, layers, (KvGroup("full", 16),))
+    assert implicit == explicit and implicit.descriptor == explicit.descriptor
+    assert b'"format":1' in implicit.descriptor and b"groups" not in implicit.descriptor
+    assert implicit.groups == (KvGroup("full", 16),)
+
+
+def test_hybrid_groups_are_sealed_into_format_2_and_read_back() -> None:
+    hybrid = build_layout(16, 1, gemma_layers(), GEMMA)
+    assert b'"format":2' in hybrid.descriptor and b'"groups":[["sliding",16,1024],["full",16,0]]' in hybrid.descriptor
+    assert layout_from_descriptor(hybrid.descriptor) == hybrid
+    tampered = hybrid.descriptor.replace(b'["sliding",16,1024]', b'["sliding",16,1025]')
+    assert layout_from_descriptor(tampered) is not None  # another canonical layout: another digest
+    assert layout_from_descriptor(tampered).digest != hybrid.digest  # type: ignore[union-attr]
+    assert layout_from_descriptor(hybrid.descriptor.replace(b'"format":2', b'"format":3')) is None
+
+
+def test_hybrid_manager_on_or_off_and_another_window_never_share_blocks() -> None:
+    """vLLM with its hybrid manager off promotes every window layer to full attention: one group."""
+    on = seal_all([wreg(0, gemma_layers(), tp_size=1, world_size=1, groups=GEMMA)])
+    off = seal_all([wreg(0, [replace(g, group_id=0) for g in gemma_layers()], tp_size=1, world_size=1)])
+    wider = (KvGroup("sliding", 16, 4096), GEMMA[1])
+    other_window = seal_all([wreg(0, gemma_layers(), tp_size=1, world_size=1, groups=wider)])
+    names = {on.namespace_final, off.namespace_final, other_window.namespace_final}
+    assert len(names) == 3
+    assert explain_difference(on.layout, other_window.layout, "P", "D") == (
+        "group 0: P 'sliding 1024 x16', D 'sliding 4096 x16'"
+    )
+    assert [d.field for d in diff_layouts(on.layout, off.layout)][0] == "groups"
+    assert "one full-attention group" in explain_difference(on.layout, off.layout, "P", "D")
+
+
+@pytest.mark.parametrize(
+    ("groups", "group_id", "error"),
+    [
+        ((KvGroup("dense", 16),), 0, "groups[0].kind must be one of full, sliding, chunked, mamba"),
+        ((KvGroup("sliding", 16),), 0, "groups[0].span (the window, in tokens) must be in 1.."),
+        ((KvGroup("chunked", 16, 0),), 0, "groups[0].span (the chunk, in tokens) must be in 1.."),
+        ((KvGroup("full", 16, 8),), 0, "groups[0].span must be 0 for a full group, got 8"),
+        ((KvGroup("mamba", 0),), 0, "groups[0].block_size must be in 1.."),
+        ((KvGroup("full", 16),), 1, "layers[0].group_id 1 names no group: 1 listed"),
+        ((), 1, "layers[0].group_id 1 names no group: 0 listed (none listed: one full-attention group, id 0)"),
+        ((KvGroup("full", 16),) * 65, 0, "groups: at most 64 KV cache groups, got 65"),
+    ],
+)
+def test_a_group_that_cannot_be_served_is_refused_naming_the_field(
+    groups: tuple[KvGroup, ...], group_id: int, error: str
+) -> None:
+    reg = wreg(0, [geo("model.layers.0.attn", group_id=group_id)], tp_size=1, world_size=1, groups=groups)
+    with pytest.raises(InvalidArgument, match=re.escape(error)):
+        InstanceRegistry("inst").add(reg)
+
+
+def test_a_group_without_a_layer_is_refused_at_seal_and_workers_must_agree_on_groups() -> None:
+    with pytest.raises(FailedPrecondition, match=r"group 1 \(full x16\) has no layer"):
+        seal_all([wreg(0, [geo("model.layers.0.attn")], tp_size=1, world_size=1, groups=GEMMA)])
+    registry = InstanceRegistry("inst")
+    registry.add(wreg(0, gemma_layers(), groups=GEMMA))
+    with pytest.raises(FailedPrecondition, match="groups"):
+        registry.add(wreg(1, gemma_layers(), groups=(GEMMA[0], KvGroup("full", 32))))

@@ -10,12 +10,20 @@ is rejected and leaves the registry as it was. When `world_size` workers are pre
     names      = sorted(union of all registered layer names)       -> dense ids 0..L-1
     grid       = [layer][tp_rank] must each have an owner           -> error names layer and rank
     descriptor = canonical JSON of (format, block_size, tp_size, per layer in id order:
-                 name, dtype, segment_bytes, segments, group_id, layout_tag)
+                 name, dtype, segment_bytes, segments, group_id, layout_tag; format 2 adds the KV cache
+                 groups: per group its kind, block size and window or chunk, and a layer's group_id names one)
     digest     = sha256(descriptor); fingerprint = digest.hex()[:8]
     namespace_final = f"{namespace}.{fingerprint}"
 
 Node-local facts (num_blocks, strides, memory handles, pp split) never enter the descriptor, so two instances
 with the same layout on different hardware share blocks, and any layout difference separates them.
+
+KV cache groups. A hybrid model's layers fall into groups whose blocks are hit by different rules: full attention
+(every block of the prefix), a sliding window or a chunk of `span` tokens (only the blocks the window or chunk
+still reads), Mamba-like state (the state at the end of the prefix). A registration lists its groups
+(`KvGroup`); none listed is one full-attention group of block_size, today's layouts, whose descriptor stays
+format 1 (their fingerprints and stored blocks do not change). Any other group list is format 2: the same model
+with vLLM's hybrid manager on or off, or with another window, gets another namespace_final.
 
 A page holds one slot per (layer_id, tp_rank), in that order:
 
@@ -33,7 +41,12 @@ from typing import Any
 
 from kvseal.errors import FailedPrecondition, InvalidArgument, quote
 
-DESCRIPTOR_FORMAT = 1
+DESCRIPTOR_FORMAT = 1  # one full-attention group
+GROUPS_FORMAT = 2  # the descriptor lists the KV cache groups
+GROUP_KINDS = ("full", "sliding", "chunked", "mamba")
+SPAN_KINDS = ("sliding", "chunked")  # the kinds whose hit rule needs a span (window or chunk, in tokens)
+MAX_GROUPS = 64
+MAX_SPAN = 1 << 30
 FINGERPRINT_HEX_CHARS = 8
 
 MAX_TP_SIZE = 1024
@@ -74,6 +87,19 @@ class LayerGeometry:
 
 
 @dataclass(frozen=True, slots=True)
+class KvGroup:
+    """One KV cache group: how a query hits its blocks. `span`: the window (sliding) or chunk (chunked) in tokens;
+    0 for the other kinds. `block_size`: tokens per block of this group."""
+
+    kind: str
+    block_size: int
+    span: int = 0
+
+    def as_descriptor_entry(self) -> list[Any]:
+        return [self.kind, self.block_size, self.span]
+
+
+@dataclass(frozen=True, slots=True)
 class LayerRegistration:
     """One layer as a worker holds it: geometry plus node-local placement. `memory` is opaque to the core."""
 
@@ -93,6 +119,7 @@ class WorkerRegistration:
     world_size: int
     block_size: int
     layers: tuple[LayerRegistration, ...]
+    groups: tuple[KvGroup, ...] = ()  # none: one full-attention group of block_size
 
     @property
     def key(self) -> tuple[int, int]:
@@ -125,12 +152,33 @@ def validate_registration(reg: WorkerRegistration) -> None:
         raise InvalidArgument("layers must list at least one KV layer")
     if len(reg.layers) > MAX_LAYERS:
         raise InvalidArgument(f"layers: at most {MAX_LAYERS} layers per worker, got {len(reg.layers)}")
+    if len(reg.groups) > MAX_GROUPS:
+        raise InvalidArgument(f"groups: at most {MAX_GROUPS} KV cache groups, got {len(reg.groups)}")
+    for i, group in enumerate(reg.groups):
+        _validate_group(f"groups[{i}]", group)
     seen: set[str] = set()
     for i, layer in enumerate(reg.layers):
         _validate_layer(f"layers[{i}]", layer)
         if layer.geometry.name in seen:
             raise InvalidArgument(f"layers[{i}].name {layer.geometry.name!r} is listed twice")
         seen.add(layer.geometry.name)
+        if layer.geometry.group_id >= max(len(reg.groups), 1):
+            raise InvalidArgument(
+                f"layers[{i}].group_id {layer.geometry.group_id} names no group: {len(reg.groups)} listed"
+                + ("" if reg.groups else " (none listed: one full-attention group, id 0)")
+            )
+
+
+def _validate_group(where: str, group: KvGroup) -> None:
+    if group.kind not in GROUP_KINDS:
+        raise InvalidArgument(f"{where}.kind must be one of {', '.join(GROUP_KINDS)}, got {quote(group.kind)}")
+    if not 1 <= group.block_size <= MAX_BLOCK_SIZE:
+        raise InvalidArgument(f"{where}.block_size must be in 1..{MAX_BLOCK_SIZE}, got {group.block_size}")
+    if group.kind in SPAN_KINDS and not 1 <= group.span <= MAX_SPAN:
+        what = "window" if group.kind == "sliding" else "chunk"
+        raise InvalidArgument(f"{where}.span (the {what}, in tokens) must be in 1..{MAX_SPAN}, got {group.span}")
+    if group.kind not in SPAN_KINDS and group.span != 0:
+        raise InvalidArgument(f"{where}.span must be 0 for a {group.kind} group, got {group.span}")
 
 
 def _check_text(field_name: str, value: str, pattern: re.Pattern[str]) -> None:
@@ -187,6 +235,7 @@ class Layout:
     slot_offsets: tuple[int, ...]  # (layer_id * tp_size + tp_rank) -> byte offset in the page
     slot_sizes: tuple[int, ...]
     page_bytes: int
+    groups: tuple[KvGroup, ...] = ()  # never empty when built by build_layout
     fingerprint: str = field(init=False, repr=False, compare=False)  # digest.hex()[:8], computed once
 
     def __post_init__(self) -> None:
@@ -200,20 +249,25 @@ class Layout:
         return layer_id * self.tp_size + tp_rank
 
 
-def build_layout(block_size: int, tp_size: int, layers: list[LayerGeometry] | tuple[LayerGeometry, ...]) -> Layout:
-    """The layout of `layers` (any order; ids come from the sorted names)."""
+def build_layout(
+    block_size: int,
+    tp_size: int,
+    layers: list[LayerGeometry] | tuple[LayerGeometry, ...],
+    groups: tuple[KvGroup, ...] = (),
+) -> Layout:
+    """The layout of `layers` (any order; ids come from the sorted names) in KV cache `groups` (none: one
+    full-attention group of block_size, written as format 1)."""
     ordered = tuple(sorted(layers, key=lambda g: g.name))
-    descriptor = json.dumps(
-        {
-            "format": DESCRIPTOR_FORMAT,
-            "block_size": block_size,
-            "tp_size": tp_size,
-            "layers": [g.as_descriptor_entry() for g in ordered],
-        },
-        sort_keys=True,
-        separators=(",", ":"),
-        ensure_ascii=True,
-    ).encode()
+    groups = groups or (KvGroup("full", block_size),)
+    doc: dict[str, Any] = {
+        "format": DESCRIPTOR_FORMAT,
+        "block_size": block_size,
+        "tp_size": tp_size,
+        "layers": [g.as_descriptor_entry() for g in ordered],
+    }
+    if groups != (KvGroup("full", block_size),):
+        doc |= {"format": GROUPS_FORMAT, "groups": [g.as_descriptor_entry() for g in groups]}
+    descriptor = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
     offsets, sizes = [], []
     offset = 0
     for g in ordered:
@@ -230,6 +284,7 @@ def build_layout(block_size: int, tp_size: int, layers: list[LayerGeometry] | tu
         slot_offsets=tuple(offsets),
         slot_sizes=tuple(sizes),
         page_bytes=offset,
+        groups=groups,
     )
 
 
@@ -238,10 +293,11 @@ def layout_from_descriptor(descriptor: bytes) -> Layout | None:
     version, or bytes that do not rebuild to themselves): such a descriptor can never be matched to a layout."""
     try:
         doc = json.loads(descriptor)
-        if doc.get("format") != DESCRIPTOR_FORMAT:
+        if doc.get("format") not in (DESCRIPTOR_FORMAT, GROUPS_FORMAT):
             return None
         layers = [LayerGeometry(str(n), str(d), int(b), int(s), int(g), str(t)) for n, d, b, s, g, t in doc["layers"]]
-        layout = build_layout(int(doc["block_size"]), int(doc["tp_size"]), layers)
+        groups = tuple(KvGroup(str(k), int(b), int(n)) for k, b, n in doc.get("groups", ()))
+        layout = build_layout(int(doc["block_size"]), int(doc["tp_size"]), layers, groups)
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
     return layout if layout.descriptor == descriptor else None
@@ -276,6 +332,15 @@ def diff_layouts(left: Layout, right: Layout) -> list[LayoutDifference]:
         for name in ("block_size", "tp_size")
         if getattr(left, name) != getattr(right, name)
     ]
+    lgroups, rgroups = _listed_groups(left), _listed_groups(right)
+    if len(lgroups) != len(rgroups):
+        out.append(LayoutDifference("groups", "", _groups_text(lgroups), _groups_text(rgroups)))
+    else:
+        out += [
+            LayoutDifference(f"group {i}", "", _group_text(a), _group_text(b))
+            for i, (a, b) in enumerate(zip(lgroups, rgroups, strict=True))
+            if a != b
+        ]
     lefts = {g.name: g for g in left.layers}
     rights = {g.name: g for g in right.layers}
     for name in sorted(lefts.keys() | rights.keys()):
@@ -289,6 +354,20 @@ def diff_layouts(left: Layout, right: Layout) -> list[LayoutDifference]:
             if getattr(a, f) != getattr(b, f)
         ]
     return out
+
+
+def _group_text(group: KvGroup) -> str:
+    span = f" {group.span}" if group.kind in SPAN_KINDS else ""
+    return f"{group.kind}{span} x{group.block_size}"
+
+
+def _listed_groups(layout: Layout) -> tuple[KvGroup, ...]:
+    """The groups a format 2 descriptor lists; none for format 1 (one full-attention group of block_size)."""
+    return () if layout.groups == (KvGroup("full", layout.block_size),) else layout.groups
+
+
+def _groups_text(groups: tuple[KvGroup, ...]) -> str:
+    return ", ".join(map(_group_text, groups)) or "one full-attention group"
 
 
 def explain_difference(left: Layout, right: Layout, left_name: str = "this", right_name: str = "that") -> str:
@@ -365,7 +444,7 @@ class InstanceRegistry:
 
 
 def _check_agreement(reg: WorkerRegistration, other: WorkerRegistration) -> None:
-    for name in ("namespace", "tp_size", "world_size", "block_size"):
+    for name in ("namespace", "tp_size", "world_size", "block_size", "groups"):
         mine, theirs = getattr(reg, name), getattr(other, name)
         if mine != theirs:
             raise FailedPrecondition(
@@ -400,8 +479,14 @@ def seal(workers: list[WorkerRegistration]) -> SealedInstance:
         for layer in w.layers:
             geometry[layer.geometry.name] = layer.geometry
             owners.setdefault(layer.geometry.name, set()).add(w.tp_rank)
-    layout = build_layout(first.block_size, first.tp_size, list(geometry.values()))
+    layout = build_layout(first.block_size, first.tp_size, list(geometry.values()), first.groups)
     layer_ids = {g.name: i for i, g in enumerate(layout.layers)}
+    empty = set(range(len(layout.groups))) - {g.group_id for g in layout.layers}
+    if empty:
+        raise FailedPrecondition(
+            f"group {min(empty)} ({_group_text(layout.groups[min(empty)])}) has no layer: every KV cache group "
+            f"listed must hold a layer of instance {first.instance_id!r}"
+        )
     for g in layout.layers:
         missing = [r for r in range(first.tp_size) if r not in owners[g.name]]
         if missing:

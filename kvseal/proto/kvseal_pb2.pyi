@@ -107,8 +107,18 @@ class DescribeRequest(_message.Message):
     instance_id: str
     def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
 
+class KvGroup(_message.Message):
+    __slots__ = ("kind", "block_size", "span")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SPAN_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    block_size: int
+    span: int
+    def __init__(self, kind: _Optional[str] = ..., block_size: _Optional[int] = ..., span: _Optional[int] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
-    __slots__ = ("instance_id", "namespace", "tp_rank", "tp_size", "pp_rank", "world_size", "block_size", "layers")
+    __slots__ = ("instance_id", "namespace", "tp_rank", "tp_size", "pp_rank", "world_size", "block_size", "layers", "groups")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +127,7 @@ class RegisterRequest(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     namespace: str
     tp_rank: int
@@ -125,7 +136,8 @@ class RegisterRequest(_message.Message):
     world_size: int
     block_size: int
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
-    def __init__(self, instance_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[KvGroup]
+    def __init__(self, instance_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[KvGroup, _Mapping]]] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
     __slots__ = ("written", "skipped", "not_stored", "completed", "namespace_final")

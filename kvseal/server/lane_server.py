@@ -32,7 +32,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvseal.core.layout import MAX_NAME_CHARS, LayerGeometry, LayerRegistration, WorkerRegistration, normalize_dtype
+from kvseal.core.layout import (
+    MAX_GROUPS,
+    MAX_NAME_CHARS,
+    KvGroup,
+    LayerGeometry,
+    LayerRegistration,
+    WorkerRegistration,
+    normalize_dtype,
+)
 from kvseal.engine.engine import Caller, Engine, InstanceStatus, Session
 from kvseal.engine.memory import CudaSpec, ShmSpec
 from kvseal.errors import InvalidArgument, KvsealError, Unauthenticated, translate
@@ -420,6 +428,7 @@ def decode_registration(body: bytes) -> WorkerRegistration:
         raise InvalidArgument(f"RegisterRequest does not parse: {e}") from None
     check_length("instance_id", request.instance_id, MAX_INSTANCE_ID_CHARS)
     check_length("namespace", request.namespace, MAX_NAME_CHARS)
+    check_length("groups", request.groups, MAX_GROUPS)
     layers = []
     for i, spec in enumerate(request.layers):
         for name in ("name", "dtype", "layout_tag"):
@@ -471,7 +480,13 @@ def decode_registration(body: bytes) -> WorkerRegistration:
         world_size=request.world_size,
         block_size=request.block_size,
         layers=tuple(layers),
+        groups=tuple(_group(i, g) for i, g in enumerate(request.groups)),
     )
+
+
+def _group(i: int, group: pb.KvGroup) -> KvGroup:
+    check_length(f"groups[{i}].kind", group.kind, MAX_NAME_CHARS)
+    return KvGroup(group.kind, group.block_size, group.span)
 
 
 def encode_status(s: InstanceStatus) -> pb.InstanceStatus:

@@ -12,12 +12,14 @@ or, in-process, a kvseal.engine.engine.Engine with the `session` the worker regi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvseal.client import EngineClient, layer_from_array
+from kvseal.core.layout import KvGroup
 from kvseal.memfd import SharedArray
 
 if TYPE_CHECKING:
@@ -39,12 +41,16 @@ def register_one_rank(
     tp_rank: int = 0,
     world_size: int = 1,
     session: Session | None = None,
+    groups: Sequence[tuple[str, int, int]] = (),
+    group_ids: Mapping[str, int] | None = None,
 ) -> Any:
     """Registers one rank whose layers are `layers` (name -> a [num_blocks, ...] view into `memory`, in layer order;
     default: one layer DEFAULT_LAYER that is the whole of memory.array) and returns the instance's status
     (pb.InstanceStatus from a client, kvseal.engine.engine.InstanceStatus in-process): sealed once the last rank
-    registered, with its namespace_final and page_bytes. The worker's key is (instance_id, tp_rank, 0). An engine
-    that refuses raises the client's or the engine's kvseal.errors exception."""
+    registered, with its namespace_final and page_bytes. The worker's key is (instance_id, tp_rank, 0). `groups`:
+    the KV cache groups as (kind, block_size, span), `group_ids` a layer's group (default 0). An engine that refuses
+    raises the client's or the engine's kvseal.errors exception."""
+    ids = dict(group_ids or {})
     views = dict(layers) if layers is not None else {DEFAULT_LAYER: memory.array}
     if isinstance(engine, EngineClient):
         return engine.register(
@@ -56,17 +62,19 @@ def register_one_rank(
             world_size=world_size,
             block_size=block_size,
             layers=[
-                layer_from_array(name, array, memory, layout_tag=layout_tag, dtype=dtype)
+                layer_from_array(name, array, memory, layout_tag=layout_tag, dtype=dtype, group_id=ids.get(name, 0))
                 for name, array in views.items()
             ],
+            groups=groups,
         )
     if session is None:
         raise TypeError("register_one_rank: an in-process Engine needs the session the worker registers in")
-    return engine.register(
-        _worker_registration(views, memory, instance_id, namespace, layout_tag, dtype, block_size, tp_rank, world_size),
-        session,
-        [memory.fd],
+    reg = _worker_registration(
+        views, memory, instance_id, namespace, layout_tag, dtype, block_size, tp_rank, world_size
     )
+    kv_groups = tuple(KvGroup(*g) for g in groups)
+    layers = tuple(replace(x, geometry=replace(x.geometry, group_id=ids.get(x.geometry.name, 0))) for x in reg.layers)
+    return engine.register(replace(reg, layers=layers, groups=kv_groups), session, [memory.fd])
 
 
 def _worker_registration(
