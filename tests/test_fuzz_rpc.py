@@ -327,7 +327,9 @@ class Register:
     kinds: list[str]
 
 
-def _register_request(instance_id: str, layers: list[pb.LayerSpec], tp_size: int = 1) -> pb.RegisterRequest:
+def _register_request(
+    instance_id: str, layers: list[pb.LayerSpec], tp_size: int = 1, groups: list[pb.KvGroup] | None = None
+) -> pb.RegisterRequest:
     return pb.RegisterRequest(
         instance_id=instance_id,
         namespace="ns",
@@ -337,12 +339,45 @@ def _register_request(instance_id: str, layers: list[pb.LayerSpec], tp_size: int
         world_size=tp_size,
         block_size=16,
         layers=layers,
+        groups=groups or [],
     )
 
 
 @st.composite
-def valid_layer(draw: Any, name: str, fd: int = 0, size: int = FUZZ_SHM_BYTES) -> pb.LayerSpec:
-    """A layer that fits the fuzz memfd: any segment size, split or not, 8-byte aligned or not."""
+def valid_groups(draw: Any, most: int) -> list[pb.KvGroup]:
+    """Mostly none (one full-attention group); else up to `most` valid KV cache groups of a hybrid model."""
+    if most == 0 or draw(st.sampled_from([True, True, False])):
+        return []
+    kind = st.sampled_from(["full", "sliding", "chunked", "mamba"])
+    spans = st.sampled_from([1, 16, 64, 4096])
+    groups = []
+    for k in draw(st.lists(kind, min_size=1, max_size=most)):
+        span = draw(spans) if k in ("sliding", "chunked") else 0
+        groups.append(pb.KvGroup(kind=k, block_size=draw(st.sampled_from([16, 16, 32, 1])), span=span))
+    return groups
+
+
+@st.composite
+def wild_groups(draw: Any) -> list[pb.KvGroup]:
+    """KV cache groups with any kind, block size and span, or more of them than the engine takes."""
+    group = st.builds(
+        pb.KvGroup,
+        kind=st.one_of(st.sampled_from(["full", "sliding", "mamba", "Full", ""]), texts),
+        block_size=u32,
+        span=u32,
+    )
+    return draw(
+        st.one_of(
+            st.lists(group, max_size=4),
+            st.lists(st.just(pb.KvGroup(kind="full", block_size=16)), min_size=65, max_size=66),
+        )
+    )
+
+
+@st.composite
+def valid_layer(draw: Any, name: str, fd: int = 0, size: int = FUZZ_SHM_BYTES, groups: int = 1) -> pb.LayerSpec:
+    """A layer that fits the fuzz memfd: any segment size, split or not, 8-byte aligned or not, in one of `groups`
+    KV cache groups."""
     segments = draw(st.sampled_from([1, 2]))
     segment_bytes = draw(st.sampled_from([8, 64, 1000, 1024, 4096]))
     num_blocks = draw(st.one_of(st.sampled_from([1, 1, 2, 16]), st.integers(1, 16)))
@@ -357,7 +392,7 @@ def valid_layer(draw: Any, name: str, fd: int = 0, size: int = FUZZ_SHM_BYTES) -
         dtype=draw(st.sampled_from(["float16", "bfloat16", "torch.float32", "fp8_e4m3"])),
         segment_bytes=segment_bytes,
         segments=segments,
-        group_id=draw(st.integers(0, 2)),
+        group_id=draw(st.integers(0, groups - 1)),
         layout_tag=draw(st.sampled_from([LAYOUT_TAG, "amx"])),
         num_blocks=num_blocks,
         strides=strides,
@@ -479,12 +514,15 @@ def registrations(draw: Any, kinds: list[str]) -> Register:
     sent = [first, *draw(st.lists(st.sampled_from(kinds), max_size=3))]
     if draw(st.sampled_from([False] * 9 + [True])):
         sent = []
+    groups = draw(valid_groups(len(names)))
     mutate = draw(st.sampled_from(["valid", "valid", "one", "one", "wild"]))  # "one": one layer mutated
     if mutate == "valid":
-        layers = [draw(valid_layer(n)) for n in names]
+        layers = [draw(valid_layer(n, groups=len(groups) or 1)) for n in names]
     elif mutate == "one":
         bad = draw(st.integers(0, len(names) - 1))
-        layers = [draw(mutated_layer(n) if i == bad else valid_layer(n)) for i, n in enumerate(names)]
+        layers = [
+            draw(mutated_layer(n) if i == bad else valid_layer(n, groups=len(groups) or 1)) for i, n in enumerate(names)
+        ]
     else:
         layers = draw(st.lists(wild_layer(), max_size=4))
     request = pb.RegisterRequest(
@@ -496,16 +534,22 @@ def registrations(draw: Any, kinds: list[str]) -> Register:
         world_size=tp_size,
         block_size=16,
         layers=layers,
+        groups=groups,
     )
     if draw(st.sampled_from([False, False, False, True])):  # and/or an instance-wide field out of range, or naming
         # the owners' instances
         what = draw(
-            st.sampled_from(["instance_id", "namespace", "tp_rank", "tp_size", "pp_rank", "world_size", "block_size"])
+            st.sampled_from(
+                ["instance_id", "namespace", "tp_rank", "tp_size", "pp_rank", "world_size", "block_size", "groups"]
+            )
         )
         if what == "instance_id":
             request.instance_id = draw(any_instance)
         elif what == "namespace":
             request.namespace = draw(namespaces)
+        elif what == "groups":
+            del request.groups[:]
+            request.groups.extend(draw(wild_groups()))
         elif what == "block_size":
             request.block_size = draw(st.one_of(st.sampled_from([0, 2**20, 2**20 + 1]), u32))
         else:
@@ -520,9 +564,11 @@ def preludes(draw: Any) -> Call:
     tp_size = draw(st.sampled_from([1, 1, 2]))
     names = [f"model.layers.{i}.self_attn.attn" for i in range(draw(st.integers(1, 3)))]
     layers = [draw(valid_layer(n)) for n in names]
-    for layer in layers:
+    groups = draw(valid_groups(len(names)))
+    for i, layer in enumerate(layers):
         layer.num_blocks = BLOCKS  # every block id below BLOCKS is in range
-    request = _register_request("fz-a", layers, tp_size)
+        layer.group_id = i % len(groups) if groups else 0  # every group has a layer
+    request = _register_request("fz-a", layers, tp_size, groups)
     return Call("REGISTER", "answer", [fq.encode_register(request.SerializeToString())], ["memfd"], request=request)
 
 
@@ -1043,6 +1089,7 @@ def _register_body(**changes: Any) -> bytes:
     request = pb.RegisterRequest(**_one_layer(0, instance_id=changes.pop("instance_id", "fz-long")))
     if "namespace" in changes:
         request.namespace = changes.pop("namespace")
+    request.groups.extend(changes.pop("groups", []))
     if "layer" in changes:
         request.layers[0].CopyFrom(changes.pop("layer"))
     layer = request.layers[0]
@@ -1092,6 +1139,8 @@ LANE_LONG = {  # field -> frame
     "Register.layers[0].dtype": lambda: fq.encode_register(_register_body(dtype="d" * MB)),
     "Register.layers[0].layout_tag": lambda: fq.encode_register(_register_body(layout_tag="t" * MB)),
     "Register.layers[0].strides": lambda: fq.encode_register(_register_body(strides=[1] * MB)),
+    "Register.groups": lambda: fq.encode_register(_register_body(groups=[pb.KvGroup(kind="full")] * (MB // 8))),
+    "Register.groups[0].kind": lambda: fq.encode_register(_register_body(groups=[pb.KvGroup(kind="k" * MB)])),
     **{
         f"Register.layers[0].memory.cuda.{name}": lambda name=name: fq.encode_register(  # type: ignore[misc]
             _register_body(layer=_cuda_layer(**{name: b"c" * MB}))
