@@ -349,7 +349,7 @@ def valid_groups(draw: Any, most: int) -> list[pb.KvGroup]:
     if most == 0 or draw(st.sampled_from([True, True, False])):
         return []
     kind = st.sampled_from(["full", "sliding", "chunked", "mamba"])
-    spans = st.sampled_from([1, 16, 64, 4096])
+    spans = st.sampled_from([2, 16, 64, 4096])
     groups = []
     for k in draw(st.lists(kind, min_size=1, max_size=most)):
         span = draw(spans) if k in ("sliding", "chunked") else 0

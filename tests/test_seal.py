@@ -129,7 +129,7 @@ def geometry_for(draw: st.DrawFn, name: str, group_id: int) -> LayerGeometry:
 @st.composite
 def kv_groups(draw: st.DrawFn, block_size: int) -> KvGroup:
     kind = draw(st.sampled_from(GROUP_KINDS))
-    span = draw(st.integers(1, 1 << 16)) if kind in SPAN_KINDS else 0
+    span = draw(st.integers(2 if kind == "sliding" else 1, 1 << 16)) if kind in SPAN_KINDS else 0
     return KvGroup(kind, draw(st.sampled_from((block_size, 2 * block_size, 544))), span)
 
 
@@ -269,7 +269,7 @@ def mutate(spec: InstanceSpec, mutation: str, draw: st.DrawFn) -> InstanceSpec:
         return spec.with_geometry(name, group_id=draw(st.sampled_from(others)))
     if mutation == "groups":  # vLLM's hybrid manager on (a window) where it was off, or one group otherwise
         if not spec.groups:
-            return replace(spec, groups=(KvGroup("sliding", spec.block_size, draw(st.integers(1, 4096))),))
+            return replace(spec, groups=(KvGroup("sliding", spec.block_size, draw(st.integers(2, 4096))),))
         i = draw(st.integers(0, len(spec.groups) - 1))
         other = draw(kv_groups(spec.block_size).filter(lambda k: k != spec.groups[i]))
         return replace(spec, groups=spec.groups[:i] + (other,) + spec.groups[i + 1 :])
@@ -669,7 +669,7 @@ def test_hybrid_manager_on_or_off_and_another_window_never_share_blocks() -> Non
     ("groups", "group_id", "error"),
     [
         ((KvGroup("dense", 16),), 0, "groups[0].kind must be one of full, sliding, chunked, mamba"),
-        ((KvGroup("sliding", 16),), 0, "groups[0].span (the window, in tokens) must be in 1.."),
+        ((KvGroup("sliding", 16, 1),), 0, "groups[0].span (the window, in tokens) must be in 2.."),
         ((KvGroup("chunked", 16, 0),), 0, "groups[0].span (the chunk, in tokens) must be in 1.."),
         ((KvGroup("full", 16, 8),), 0, "groups[0].span must be 0 for a full group, got 8"),
         ((KvGroup("mamba", 0),), 0, "groups[0].block_size must be in 1.."),

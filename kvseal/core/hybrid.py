@@ -11,6 +11,12 @@ For a prefix of L tokens, a group with blocks of b tokens needs (j = L / b):
 The hit is the largest L, at most the prompt's, that is a multiple of every group's block size and whose needed
 blocks are all present; the blocks to lease are exactly the needed ones (those vLLM leaves null it never reads).
 
+EAGLE (and MTP) drafting recomputes the last block of a hit to get its hidden states, so an EAGLE group serves L
+only when the block after L (index L / b) is present too: vLLM finds the hit one block further and drops that
+block. That block may lie past the hit's limit (the prompt's last token, never served) but within the prompt's full
+blocks, except with one group, where vLLM looks no further than the limit. A Mamba group never drops (its state at
+L is what the drafter continues from), and vLLM supports no EAGLE with chunked attention.
+
 How: each group on its own answers "the largest aligned L' <= L I can serve" (from the run of present blocks
 ending at each block: O(1) per candidate, O(blocks) in all), and the smallest answer becomes the new L until every
 group agrees. L never drops below the true hit (every group can serve it), and stops at a value every group
@@ -20,7 +26,7 @@ serves: the hit. Each round lowers L, so it ends.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from kvseal.core.layout import KvGroup
 
@@ -40,19 +46,39 @@ def needed_blocks(group: KvGroup, tokens: int) -> range:
     raise ValueError(f"unknown group kind {group.kind!r}")
 
 
-def hybrid_hit(groups: Sequence[KvGroup], present: Sequence[Sequence[bool]], max_tokens: int) -> int:
+def hybrid_hit(
+    groups: Sequence[KvGroup],
+    present: Sequence[Sequence[bool]],
+    max_tokens: int,
+    eagle: Collection[int] = (),
+) -> int:
     """The largest prefix (tokens) every group can serve from its `present` blocks (present[g][i]: block i of
-    group g is stored), at most `max_tokens`, aligned to every group's block size."""
+    group g is stored, for each full block of the prompt), at most `max_tokens`, aligned to every group's block
+    size. `eagle`: the indices of the groups an EAGLE drafter reads (each, and every group alike, then also needs
+    the block after the hit)."""
     if len(groups) != len(present):
         raise ValueError(f"{len(groups)} groups but {len(present)} presence lists")
+    drafted = {groups[i] for i in eagle}  # vLLM looks groups with one spec up together: the drop covers them all
+    extra = [_eagle_blocks(g, g in drafted) for g in groups]
     align = math.lcm(*(g.block_size for g in groups)) if groups else 1
+    if len(groups) == 1:  # vLLM's one-group manager looks no further than the limit, even for EAGLE's block
+        present = [present[0][: max_tokens // groups[0].block_size]]
     runs = [_runs(p) for p in present]
     tokens = max_tokens // align * align
     while True:
-        lowest = min((_largest(g, r, tokens, align) for g, r in zip(groups, runs, strict=True)), default=tokens)
+        lowest = min(
+            (_largest(g, r, tokens, align, x) for g, r, x in zip(groups, runs, extra, strict=True)), default=tokens
+        )
         if lowest == tokens:
             return tokens
         tokens = lowest
+
+
+def _eagle_blocks(group: KvGroup, eagle: bool) -> int:
+    """How many blocks past a hit `group` must hold: one for an EAGLE group, but a Mamba state never drops."""
+    if eagle and group.kind == "chunked":
+        raise ValueError("EAGLE with chunked local attention is not supported (vLLM refuses it too)")
+    return 1 if eagle and group.kind != "mamba" else 0
 
 
 def _runs(present: Sequence[bool]) -> list[int]:
@@ -65,17 +91,19 @@ def _runs(present: Sequence[bool]) -> list[int]:
     return out
 
 
-def _largest(group: KvGroup, run: list[int], tokens: int, align: int) -> int:
-    """The largest multiple of `align`, at most `tokens`, whose needed blocks of `group` are all present."""
+def _largest(group: KvGroup, run: list[int], tokens: int, align: int, extra: int) -> int:
+    """The largest multiple of `align`, at most `tokens`, whose needed blocks of `group` (and `extra` blocks
+    after them) are all present; `run` ends at the prompt's limit."""
     b = group.block_size
     while tokens > 0:
         needed = needed_blocks(group, tokens)
+        needed = range(needed.start, needed.stop + extra)
         last = needed.stop - 1
         if not needed or (last < len(run) and run[last] >= len(needed)):
             return tokens
         if group.kind == "full":  # a missing block bounds every longer prefix: jump below it
             missing = len(run) if last >= len(run) else last - run[last]
-            tokens = missing * b // align * align
+            tokens = max(0, missing - extra) * b // align * align
         else:
             tokens -= align
     return 0

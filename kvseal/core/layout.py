@@ -174,9 +174,11 @@ def _validate_group(where: str, group: KvGroup) -> None:
         raise InvalidArgument(f"{where}.kind must be one of {', '.join(GROUP_KINDS)}, got {quote(group.kind)}")
     if not 1 <= group.block_size <= MAX_BLOCK_SIZE:
         raise InvalidArgument(f"{where}.block_size must be in 1..{MAX_BLOCK_SIZE}, got {group.block_size}")
-    if group.kind in SPAN_KINDS and not 1 <= group.span <= MAX_SPAN:
+    # a window of one token reads no earlier token (no model has one; vLLM's hit rule would lease a block for it)
+    least = 2 if group.kind == "sliding" else 1
+    if group.kind in SPAN_KINDS and not least <= group.span <= MAX_SPAN:
         what = "window" if group.kind == "sliding" else "chunk"
-        raise InvalidArgument(f"{where}.span (the {what}, in tokens) must be in 1..{MAX_SPAN}, got {group.span}")
+        raise InvalidArgument(f"{where}.span (the {what}, in tokens) must be in {least}..{MAX_SPAN}, got {group.span}")
     if group.kind not in SPAN_KINDS and group.span != 0:
         raise InvalidArgument(f"{where}.span must be 0 for a {group.kind} group, got {group.span}")
 

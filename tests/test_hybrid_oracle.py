@@ -1,0 +1,130 @@
+"""The hybrid hit rule (kvseal.core.hybrid) against vLLM's own hybrid KV cache manager, without a model run: the
+same blocks stored in vLLM's block pool and described to kvseal, both must find the same hit, and the blocks
+kvseal would lease must be exactly the non-null block ids vLLM hands each group for that hit.
+
+vLLM's side is its real coordinator (`get_kv_cache_coordinator`: the unitary one for one group, the hybrid one's
+fixed point for several) over a real `BlockPool`, with full attention, sliding window, chunked local attention and
+Mamba (align mode) specs, and EAGLE groups flagged as vLLM flags them. The groups share one block size here (as
+vLLM's hybrid manager gives them on CPU); chunks are whole blocks, as every model vLLM runs has them."""
+
+from __future__ import annotations
+
+import warnings
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvseal.core.hybrid import hybrid_hit, needed_blocks
+from kvseal.core.layout import KvGroup
+
+with warnings.catch_warnings():  # vLLM's import-time deprecation warnings (pytest makes warnings errors)
+    warnings.simplefilter("ignore")
+    import torch
+    from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+MAX_BLOCKS = 24
+
+
+def vllm_spec(group: KvGroup) -> KVCacheSpec:
+    attention = {"block_size": group.block_size, "num_kv_heads": 1, "head_size": 32, "dtype": torch.float32}
+    if group.kind == "full":
+        return FullAttentionSpec(**attention)
+    if group.kind == "sliding":
+        return SlidingWindowSpec(**attention, sliding_window=group.span)
+    if group.kind == "chunked":
+        return ChunkedLocalAttentionSpec(**attention, attention_chunk_size=group.span)
+    return MambaSpec(block_size=group.block_size, shapes=((4,),), dtypes=(torch.float32,), mamba_cache_mode="align")
+
+
+def vllm_hit(
+    groups: list[KvGroup], present: list[list[bool]], max_tokens: int, eagle: set[int]
+) -> tuple[int, list[list[int]]]:
+    """vLLM's hit and, per group, the block indices it hands a non-null block for that hit, for a prompt of
+    len(present[0]) full blocks (every group's presence is as long) and the hit at most `max_tokens`."""
+    block_size = groups[0].block_size
+    config = KVCacheConfig(
+        num_blocks=len(groups) * MAX_BLOCKS + 2,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([f"layers.{i}"], vllm_spec(g), is_eagle_group=i in eagle) for i, g in enumerate(groups)
+        ],
+    )
+    coordinator = get_kv_cache_coordinator(
+        config,
+        max_model_len=MAX_BLOCKS * block_size,
+        max_in_flight_tokens=MAX_BLOCKS * block_size,
+        use_eagle=bool(eagle),
+        enable_caching=True,
+        enable_kv_cache_events=False,
+        dcp_world_size=1,
+        pcp_world_size=1,
+        scheduler_block_size=block_size,
+        hash_block_size=block_size,
+    )
+    pool = coordinator.block_pool
+    hashes = [i.to_bytes(8, "big") for i in range(len(present[0]))]
+    index_of: dict[int, int] = {}  # vLLM block id -> the block index it was cached for
+    for g, stored in enumerate(present):
+        for i, here in enumerate(stored):
+            if here:
+                (block,) = pool.get_new_blocks(1)
+                pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(hashes[i], g), block)
+                index_of[block.block_id] = i
+    blocks, hit, _ = coordinator.find_longest_cache_hit(hashes, max_tokens)
+    leased = []
+    for group_blocks in blocks:
+        ids = [(i, b.block_id) for i, b in enumerate(group_blocks[: hit // block_size]) if not b.is_null]
+        assert all(index_of[block_id] == i for i, block_id in ids)  # each block sits at the index it was cached for
+        leased.append([i for i, _ in ids])
+    return hit, leased
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[list[KvGroup], list[list[bool]], int, set[int]]:
+    block = draw(st.sampled_from((16, 32)))
+    kinds = draw(st.lists(st.sampled_from(("full", "sliding", "chunked", "mamba")), min_size=1, max_size=3))
+    groups = []
+    for kind in kinds:
+        span = {"sliding": draw(st.integers(2, 5 * block)), "chunked": block * draw(st.integers(1, 4))}.get(kind, 0)
+        groups.append(KvGroup(kind, block, span))
+    prompt = draw(st.integers(1, MAX_BLOCKS * block))  # tokens; the hit is at most prompt - 1, as in vLLM
+    dense = draw(st.floats(0.3, 1.0))  # mostly stored, so that hits are long and the rules meet
+    present = [[draw(st.floats(0, 1)) < dense for _ in range(prompt // block)] for _ in groups]
+    eagle: set[int] = set()
+    if "chunked" not in kinds and draw(st.booleans()):
+        eagle = {i for i in range(len(groups)) if draw(st.booleans())} or set(range(len(groups)))
+    return groups, present, prompt - 1, eagle
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases())
+def test_kvseal_finds_vllms_hit_and_leases_exactly_the_blocks_vllm_reads(
+    case: tuple[list[KvGroup], list[list[bool]], int, set[int]],
+) -> None:
+    groups, present, max_tokens, eagle = case
+    hit, leased = vllm_hit(groups, present, max_tokens, eagle)
+    assert hybrid_hit(groups, present, max_tokens, eagle) == hit
+    assert leased == [list(needed_blocks(g, hit)) for g in groups]
+
+
+def test_gemma_like_window_and_full_and_a_mid_prompt_window_hit() -> None:
+    """Gemma 3's shape (a window and full attention) and Nemotron-H's (Mamba and full), worked by hand: vLLM and
+    kvseal agree on a window that lost its early blocks and on a Mamba state stored only at block 7."""
+    full, window, mamba = KvGroup("full", 16), KvGroup("sliding", 16, 40), KvGroup("mamba", 16)
+    everything = [True] * 10
+    late = [False] * 5 + [True] * 4 + [False]
+    assert vllm_hit([full, window], [everything, late], 159, set()) == (144, [list(range(9)), [6, 7, 8]])
+    assert hybrid_hit([full, window], [everything, late], 159) == 144
+    state_at_8 = [False] * 7 + [True] + [False] * 2
+    assert vllm_hit([full, mamba], [everything, state_at_8], 159, set()) == (128, [list(range(8)), [7]])
+    assert hybrid_hit([full, mamba], [everything, state_at_8], 159) == 128
