@@ -205,6 +205,50 @@ def test_only_prefix_cacheable_attention_is_served(v: types.SimpleNamespace) -> 
             assert "drop --kv-transfer-config" in message
 
 
+def test_vllms_groups_become_kvseal_groups_with_their_hit_rule(v: types.SimpleNamespace) -> None:
+    """Each of vLLM's KV cache groups gets kvseal's hit rule (kind, block size, window or chunk), in vLLM's order;
+    what kvseal refuses is refused naming the group; a Mamba state kept only at the end (prefix caching off) is
+    refused naming its mode."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from kvseal.core.layout import KvGroup
+
+    kinds = _spec_kinds(v)
+    kv_groups = v.compat.kv_groups
+    expected = {
+        "full": KvGroup("full", BLOCK),
+        "mla": KvGroup("full", BLOCK),
+        "sink": KvGroup("full", BLOCK),
+        "sliding": KvGroup("sliding", BLOCK, 4 * BLOCK),
+        "chunked": KvGroup("chunked", BLOCK, 8 * BLOCK),
+        "uniform": KvGroup("full", BLOCK),
+        "mamba": KvGroup("mamba", BLOCK),
+    }
+    gemma = [kinds["sliding"][0]] * 5 + [kinds["full"][0], kinds["mamba"][0]]
+    config = _kv_cache_config([v.KVCacheGroupSpec([f"layers.{i}"], spec) for i, spec in enumerate(gemma)], v)
+    assert kv_groups(config) == (expected["sliding"],) * 5 + (expected["full"], expected["mamba"])
+    for kind, (spec, _) in kinds.items():
+        config = _kv_cache_config(
+            [v.KVCacheGroupSpec(["layers.0"], kinds["full"][0]), v.KVCacheGroupSpec(["x"], spec)], v
+        )
+        if kind in expected:
+            assert kv_groups(config) == (KvGroup("full", BLOCK), expected[kind]), kind
+            continue
+        with pytest.raises(ValueError, match="^kvseal cannot serve this model's KV cache: group 1 is ") as refused:
+            kv_groups(config)
+        assert "1 layers (x)" in str(refused.value), kind
+    f32 = v.torch.float32
+    ended = MambaSpec(block_size=BLOCK, shapes=((4,),), dtypes=(f32,), mamba_cache_mode="none")
+    with pytest.raises(ValueError, match="group 0 is MambaSpec with mamba_cache_mode='none', 1 layers"):
+        kv_groups(_kv_cache_config([v.KVCacheGroupSpec(["m"], ended)], v))
+    drafted = [v.KVCacheGroupSpec(["t"], kinds["sliding"][0]), v.KVCacheGroupSpec(["d"], kinds["full"][0], True)]
+    assert v.compat.eagle_groups(_vllm_config(v), _kv_cache_config(drafted, v)) == {1}  # the draft's group
+    assert v.compat.eagle_groups(_vllm_config(v), _kv_cache_config(drafted[:1], v)) == set()  # no drafter
+    point = v.SlidingWindowSpec(block_size=BLOCK, dtype=f32, sliding_window=1, num_kv_heads=2, head_size=32)
+    with pytest.raises(ValueError, match="group 0 is SlidingWindowSpec with a window of 1 token"):
+        kv_groups(_kv_cache_config([v.KVCacheGroupSpec(["w"], point)], v))
+
+
 def test_the_null_block_is_never_handed_over(v: types.SimpleNamespace) -> None:
     without = v.connector.without_null_blocks
     hashes = [bytes([n]) * 32 for n in range(5)]

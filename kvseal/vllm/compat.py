@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
+from kvseal.core.layout import KvGroup
+
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
@@ -158,44 +160,74 @@ def check_one_kv_cache_group(kv_cache_config: KVCacheConfig) -> None:
 def check_attention_kv_cache(kv_cache_config: KVCacheConfig) -> None:
     """kvseal serves blocks of attention KV: a block holds the keys and values of its tokens, so a prefix's blocks,
     keyed by the prefix's hashes, are the same bytes for every request that shares the prefix. Refuses at
-    construction, naming the group and its spec, everything else vLLM can hand over in one group:
-    - state specs (MambaSpec and its kinds: Mamba1/2, gated delta net, short conv, linear attention): a block is a
-      sequence's running state at a boundary; loaded as a prefix block it gives wrong outputs (measured: every token
-      of a tiny Mamba2 differed from the cold run);
+    construction, naming the group and its spec, everything `kv_groups` refuses, and Mamba-like state groups: a
+    state block is a sequence's running state at a boundary; loaded as a prefix block it gives wrong outputs
+    (measured: every token of a tiny Mamba2 differed from the cold run), and the connector does not serve state
+    groups yet. Accepted: full attention and its kinds (MLA, sinks), sliding window, chunked local; their null
+    blocks are never loaded or saved (the connector skips block id 0)."""
+    for i, (group, kv) in enumerate(zip(kv_cache_config.kv_cache_groups, kv_groups(kv_cache_config), strict=True)):
+        if kv.kind == "mamba":
+            raise _cannot_serve(i, "MambaSpec (a state, not attention KV)", group.layer_names)
+
+
+def kv_groups(kv_cache_config: KVCacheConfig) -> tuple[KvGroup, ...]:
+    """kvseal's KvGroup (the hit rule: kind, block size, window or chunk) of each of vLLM's KV cache groups, in
+    vLLM's order; mirrored from vLLM 0.32's specs (`v1/kv_cache_interface.py`) and the manager each one gets
+    (`single_type_kv_cache_manager.spec_manager_map`). Refuses, with a ValueError naming the group, its spec and
+    its layers, what kvseal cannot serve exactly:
     - specs vLLM itself does not prefix-cache (`prefix_cacheable` False: circular buffers, bounded-replay MLA
       windows), cross-attention (its KV depends on the encoder input, not on the hashed tokens), encoder-only,
-      hidden-state caches, HiSparse pools.
-    Accepted: FullAttentionSpec and its kinds (MLA, sinks, R-SWA), SlidingWindowSpec, ChunkedLocalAttentionSpec;
-    their null blocks are never loaded or saved (the connector skips block id 0)."""
+      hidden-state caches, HiSparse pools;
+    - a Mamba-like state whose boundary states vLLM does not keep (`mamba_cache_mode` other than "align": prefix
+      caching off), so no state at a block boundary exists to store;
+    - one group whose specs mix kinds, and a window under 2 tokens."""
+    return tuple(
+        _kv_group(group.kv_cache_spec, i, group.layer_names) for i, group in enumerate(kv_cache_config.kv_cache_groups)
+    )
+
+
+def _kv_group(spec: Any, index: int, layer_names: list[str]) -> KvGroup:
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
         HiddenStateCacheSpec,
+        MambaSpec,
         SlidingWindowSpec,
         UniformTypeKVCacheSpecs,
     )
 
-    def refused(spec: Any) -> str | None:
-        if isinstance(spec, UniformTypeKVCacheSpecs):
-            return next(filter(None, map(refused, spec.kv_cache_specs.values())), None)
-        kinds = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
-        if not isinstance(spec, kinds) or isinstance(spec, HiddenStateCacheSpec):
-            return type(spec).__name__
-        if not spec.prefix_cacheable:
-            return f"{type(spec).__name__} (not prefix-cacheable)"
-        return None
+    name = type(spec).__name__
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        inner = {_kv_group(s, index, layer_names) for s in spec.kv_cache_specs.values()}
+        if len(inner) != 1:
+            kinds = sorted({type(s).__name__ for s in spec.kv_cache_specs.values()})
+            raise _cannot_serve(index, f"{name} mixing {' and '.join(kinds)}", layer_names)
+        return inner.pop()
+    if not spec.prefix_cacheable:
+        raise _cannot_serve(index, f"{name} (not prefix-cacheable)", layer_names)
+    if isinstance(spec, FullAttentionSpec) and not isinstance(spec, HiddenStateCacheSpec):
+        return KvGroup("full", spec.block_size)
+    if isinstance(spec, SlidingWindowSpec) and spec.sliding_window >= 2:
+        return KvGroup("sliding", spec.block_size, spec.sliding_window)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return KvGroup("chunked", spec.block_size, spec.attention_chunk_size)
+    if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
+        return KvGroup("mamba", spec.block_size)
+    if isinstance(spec, MambaSpec):
+        raise _cannot_serve(index, f"{name} with mamba_cache_mode={spec.mamba_cache_mode!r}", layer_names)
+    if isinstance(spec, SlidingWindowSpec):
+        raise _cannot_serve(index, f"{name} with a window of {spec.sliding_window} token", layer_names)
+    raise _cannot_serve(index, name, layer_names)
 
-    for i, group in enumerate(kv_cache_config.kv_cache_groups):
-        why = refused(group.kv_cache_spec)
-        if why is None:
-            continue
-        raise ValueError(
-            f"kvseal cannot serve this model's KV cache: group {i} is {why}, {len(group.layer_names)} layers "
-            f"({_names(group.layer_names)}). kvseal stores attention KV as prefix blocks (full, MLA, sliding window, "
-            "chunked local); a Mamba / linear-attention state or a cache vLLM does not prefix-cache loaded as such "
-            "blocks would give wrong outputs, so kvseal refuses it. Run this model without kvseal (drop "
-            "--kv-transfer-config); vLLM's own prefix cache (--enable-prefix-caching) still serves it."
-        )
+
+def _cannot_serve(index: int, what: str, layer_names: list[str]) -> ValueError:
+    return ValueError(
+        f"kvseal cannot serve this model's KV cache: group {index} is {what}, {len(layer_names)} layers "
+        f"({_names(layer_names)}). kvseal stores attention KV as prefix blocks (full, MLA, sliding window, "
+        "chunked local); a Mamba / linear-attention state or a cache vLLM does not prefix-cache loaded as such "
+        "blocks would give wrong outputs, so kvseal refuses it. Run this model without kvseal (drop "
+        "--kv-transfer-config); vLLM's own prefix cache (--enable-prefix-caching) still serves it."
+    )
 
 
 def _names(names: list[str], shown: int = 2) -> str:
@@ -224,17 +256,26 @@ def splits_kv(tensor: torch.Tensor, num_blocks: int | None) -> bool:
     return False
 
 
-def drops_last_hit_block(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> bool:
-    """Whether vLLM drops the last block of its own prefix-cache hit, mirrored from vLLM 0.32: the scheduler builds
-    its KVCacheManager with `use_eagle=speculative_config.use_eagle_block_drop()` (method in eagle, eagle3, mtp,
-    dflash, dspark, and `disable_eagle_block_drop` off); `KVCacheCoordinator` flags the groups marked
-    `is_eagle_group`, or every group when that is set and none is marked; `UnitaryKVCacheCoordinator` (one group)
-    passes `drop_eagle_block = 0 in eagle_group_ids` to `FullAttentionManager.find_longest_cache_hit`, which then
-    takes one block (alignment = block size with one group) off a non-empty hit. The drafter needs that block
-    recomputed: for its hidden states, and because its KV there depends on tokens past the block."""
+def eagle_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> frozenset[int]:
+    """The KV cache groups whose prefix hit vLLM ends one block early for a drafter, mirrored from vLLM 0.32: the
+    scheduler builds its KVCacheManager with `use_eagle=speculative_config.use_eagle_block_drop()` (method in
+    eagle, eagle3, mtp, dflash, dspark, and `disable_eagle_block_drop` off); `KVCacheCoordinator` takes the groups
+    marked `is_eagle_group`, or every group when use_eagle is set and none is marked. The drafter needs that block
+    recomputed: for its hidden states, and because its KV there depends on tokens past the block (the hit rule:
+    kvseal.core.hybrid)."""
     spec = vllm_config.speculative_config
     use_eagle = spec is not None and spec.use_eagle_block_drop()
-    return use_eagle or kv_cache_config.kv_cache_groups[0].is_eagle_group
+    groups = kv_cache_config.kv_cache_groups
+    marked = frozenset(i for i, group in enumerate(groups) if group.is_eagle_group)
+    return marked or (frozenset(range(len(groups))) if use_eagle else frozenset())
+
+
+def drops_last_hit_block(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> bool:
+    """Whether vLLM drops the last block of its own prefix-cache hit with one KV cache group:
+    `UnitaryKVCacheCoordinator` passes `drop_eagle_block = 0 in eagle_group_ids` to
+    `FullAttentionManager.find_longest_cache_hit`, which then takes one block (alignment = block size with one
+    group) off a non-empty hit."""
+    return 0 in eagle_groups(vllm_config, kv_cache_config)
 
 
 def claimable_blocks(hits: int, drop_last_block: bool) -> int:
