@@ -167,7 +167,7 @@ def check_attention_kv_cache(kv_cache_config: KVCacheConfig) -> None:
     blocks are never loaded or saved (the connector skips block id 0)."""
     for i, (group, kv) in enumerate(zip(kv_cache_config.kv_cache_groups, kv_groups(kv_cache_config), strict=True)):
         if kv.kind == "mamba":
-            raise _cannot_serve(i, "MambaSpec (a state, not attention KV)", group.layer_names)
+            raise _cannot_serve(i, "MambaSpec (a running state)", group.layer_names)
 
 
 def kv_groups(kv_cache_config: KVCacheConfig) -> tuple[KvGroup, ...]:
