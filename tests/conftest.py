@@ -71,7 +71,7 @@ class _Engines:
     def stop_all(self) -> None:
         problems = []
         for engine in self.running:
-            problems += engine.stop()
+            problems += engine.stop(dump_stacks=True)
         if problems:
             pytest.fail("\n".join(problems), pytrace=False)
 

@@ -139,11 +139,12 @@ class Announcer:
     def stop(self) -> None:
         """Stops, and tells the MetaServer this node is gone (its blocks are not offered to anyone any more)."""
         self._stop.set()
-        self._thread.join(timeout=10)
-        try:
-            self._call("Unregister", pb.UnregisterNodeRequest(node_id=self.node_id, session=self.session))
-        except KvsealError:
-            pass
+        self._thread.join(timeout=self.timeout_s + 1)  # at most one call in flight
+        if not self._down:  # a MetaServer that does not answer forgets this node when its heartbeats stop
+            try:
+                self._call("Unregister", pb.UnregisterNodeRequest(node_id=self.node_id, session=self.session))
+            except KvsealError:
+                pass
         self._channel.close()
 
     @property
