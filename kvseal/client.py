@@ -7,6 +7,11 @@
     q = client.query("i0", hashes)
     client.load(("i0", 0, 0), hashes[:q.hits], block_ids[:q.hits], lease_id=q.lease_id)
 
+A hybrid model (several KV cache groups) saves and loads its groups' blocks in one call each, a BlockRun per group
+(its hashes, and the block ids of each of its block tables):
+
+    client.save_groups(("i0", 0, 0), [BlockRun(0, full_hashes, [full_ids]), BlockRun(1, swa_hashes, [swa_ids])])
+
 A worker's calls go over the engine's local lane (kvseal.wire.lane), a unix socket whose path the `Info` RPC names:
 the KV memory travels there as file descriptors, and the lane connection is the worker's session — what this client
 registered lives exactly as long as that connection (`session_alive()`; closing the client ends it). Queries and
@@ -46,8 +51,17 @@ from kvseal.memfd import SharedArray, SharedRegion, share_storage
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
 from kvseal.wire import lane as ln
+from kvseal.wire.lane import BlockRun
 
-__all__ = ["EngineClient", "cuda_handle", "layer_from_array", "layer_from_tensor", "share_tensor", "shm_handle"]
+__all__ = [
+    "BlockRun",
+    "EngineClient",
+    "cuda_handle",
+    "layer_from_array",
+    "layer_from_tensor",
+    "share_tensor",
+    "shm_handle",
+]
 
 WorkerKey = tuple[str, int, int]
 
@@ -120,10 +134,13 @@ class EngineClient:
         block_size: int,
         layers: Sequence[pb.LayerSpec],
         groups: Sequence[tuple[str, int, int]] = (),
+        eagle_groups: Sequence[int] = (),
     ) -> pb.InstanceStatus:
         """Registers this worker's layers. `groups`: the KV cache groups as (kind, block_size, span) (kind full,
         sliding, chunked or mamba; span the window or chunk in tokens), indexed by the layers' group_id; none is
-        one full-attention group of block_size."""
+        one full-attention group of block_size; each layer's `table` picks which of its group's block tables a Save
+        or Load addresses it through (save_groups). `eagle_groups`: the groups a drafter reads (a hit also needs the
+        block after it)."""
         request = pb.RegisterRequest(
             instance_id=instance_id,
             namespace=namespace,
@@ -134,6 +151,7 @@ class EngineClient:
             block_size=block_size,
             layers=layers,
             groups=[pb.KvGroup(kind=k, block_size=b, span=n) for k, b, n in groups],
+            eagle_groups=eagle_groups,
         )
         wire, fds = _fds_as_indexes(request)
         lane = self._lane_required()
@@ -153,29 +171,47 @@ class EngineClient:
 
     def save(self, worker: WorkerKey, hashes: Sequence[bytes], block_ids: Sequence[int]) -> pb.SaveResponse:
         body = self._lane_required().call(_encode(ln.encode_save, worker, hashes, block_ids))
-        written, skipped, not_stored, completed, ns = ln.decode_save_ok(body)
-        return pb.SaveResponse(
-            written=written, skipped=skipped, not_stored=not_stored, completed=completed, namespace_final=ns
-        )
+        return _save_response(body)
 
     def load(
         self, worker: WorkerKey, hashes: Sequence[bytes], block_ids: Sequence[int], lease_id: int = 0
     ) -> pb.LoadResponse:
         body = self._lane_required().call(_encode(ln.encode_load, worker, hashes, block_ids, lease_id))
-        outcome, loaded, reason, message = ln.decode_load_ok(body)
-        return pb.LoadResponse(outcome=outcome, loaded=loaded, reason=reason, message=message)  # type: ignore[arg-type]
+        return _load_response(body)
+
+    def save_groups(self, worker: WorkerKey, runs: Sequence[BlockRun]) -> pb.SaveResponse:
+        """Saves the blocks of several KV cache groups (a hybrid model's) in one call: one BlockRun per group, with
+        the block ids of each of the group's block tables, one id per hash. Answers as `save`."""
+        body = self._lane_required().call(_encode(ln.encode_save_groups, worker, runs))
+        return _save_response(body)
+
+    def load_groups(self, worker: WorkerKey, runs: Sequence[BlockRun], lease_id: int = 0) -> pb.LoadResponse:
+        """Loads the blocks of several KV cache groups in one call (runs as in `save_groups`). Answers as `load`."""
+        body = self._lane_required().call(_encode(ln.encode_load_groups, worker, runs, lease_id))
+        return _load_response(body)
 
     def query(
-        self, instance_id: str, hashes: Sequence[bytes], *, request_id: str = "", lease_ttl_ms: int = 0
+        self,
+        instance_id: str,
+        hashes: Sequence[bytes],
+        *,
+        request_id: str = "",
+        lease_ttl_ms: int = 0,
+        limit_tokens: int = 0,
     ) -> pb.QueryResponse:
         """Leading resident hashes and their lease; or `loading` (hits 0): the engine is reading more of the
-        prefix from SSD, ask again (with the same request_id)."""
-        body = self._lane_call(ln.encode_query, instance_id, hashes, lease_ttl_ms, request_id, spin=True)
+        prefix from SSD, ask again (with the same request_id). `limit_tokens`: the longest hit wanted, in tokens
+        (0: every hash)."""
+        body = self._lane_call(ln.encode_query, instance_id, hashes, lease_ttl_ms, request_id, limit_tokens, spin=True)
         if body is not None:
             hits, lease_id, ttl, ns, loading = ln.decode_query_ok(body)
             return pb.QueryResponse(hits=hits, lease_id=lease_id, lease_ttl_ms=ttl, namespace_final=ns, loading=loading)
         request = pb.QueryRequest(
-            instance_id=instance_id, block_hashes=hashes, request_id=request_id, lease_ttl_ms=lease_ttl_ms
+            instance_id=instance_id,
+            block_hashes=hashes,
+            request_id=request_id,
+            lease_ttl_ms=lease_ttl_ms,
+            max_tokens=limit_tokens,
         )
         return self._call("Query", request)
 
@@ -312,8 +348,20 @@ def _read_reply(sock: socket.socket, deadline: float) -> tuple[int, bytes]:
 def _encode(encode: Callable[..., bytes], *args: Any) -> bytes:
     try:
         return encode(*args)
-    except ln.Unframeable as e:  # Save and Load exist on the lane only
+    except ln.Unframeable as e:  # Save and Load (and their Groups forms) exist on the lane only
         raise InvalidArgument(str(e)) from None
+
+
+def _save_response(body: bytes) -> pb.SaveResponse:
+    written, skipped, not_stored, completed, ns = ln.decode_save_ok(body)
+    return pb.SaveResponse(
+        written=written, skipped=skipped, not_stored=not_stored, completed=completed, namespace_final=ns
+    )
+
+
+def _load_response(body: bytes) -> pb.LoadResponse:
+    outcome, loaded, reason, message = ln.decode_load_ok(body)
+    return pb.LoadResponse(outcome=outcome, loaded=loaded, reason=reason, message=message)  # type: ignore[arg-type]
 
 
 def _fds_as_indexes(request: pb.RegisterRequest) -> tuple[pb.RegisterRequest, list[int]]:

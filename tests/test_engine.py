@@ -82,12 +82,12 @@ def test_a_failed_copy_stores_nothing(
 ) -> None:
     eng, _ = engine
     (worker,) = eng.registry.instances["w"].workers.values()
-    assert worker.copier is not None
+    copier = worker.copiers[(0, 0)]
 
     def failing(block_ids: list[int], offsets: list[int]) -> None:
         raise OSError("the worker's memory went away")
 
-    monkeypatch.setattr(worker.copier, "save", failing)
+    monkeypatch.setattr(copier, "save", failing)
     with pytest.raises(OSError):
         eng.save(WORKER, hashes(0, 48), list(range(48)), SESSION)
     assert eng.query("w", hashes(0, 48), SESSION.caller).hits == 0

@@ -781,9 +781,9 @@ class Fuzzer:
             status = pb.InstanceStatus.FromString(body)
             assert status.registered >= 1 and status.world_size >= 1
             deep = status.sealed
-        elif op == fq.OP_SAVE:
+        elif op in (fq.OP_SAVE, fq.OP_SAVE_GROUPS):
             deep = fq.decode_save_ok(body)[0] > 0  # written: copied out of the worker's memory
-        elif op == fq.OP_LOAD:
+        elif op in (fq.OP_LOAD, fq.OP_LOAD_GROUPS):
             outcome, loaded, _, _ = fq.decode_load_ok(body)
             assert outcome in fq.OUTCOMES.values()
             deep = loaded > 0  # copied into the worker's memory

@@ -19,8 +19,9 @@ from conftest import REPO
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from kvseal.client import BlockRun
 from kvseal.errors import InvalidArgument, NotFound
-from kvseal.limits import MAX_LAYERS, MAX_REGISTER_BYTES
+from kvseal.limits import MAX_BLOCKS_PER_REQUEST, MAX_LAYERS, MAX_REGISTER_BYTES
 from kvseal.memfd import SharedArray
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
@@ -34,6 +35,8 @@ REQUEST_TYPES = (
     fq.ReleaseRequest,
     fq.SaveRequest,
     fq.LoadRequest,
+    fq.SaveGroupsRequest,
+    fq.LoadGroupsRequest,
     fq.UnregisterRequest,
     fq.HelloRequest,
     fq.RegisterRequest,
@@ -73,6 +76,92 @@ def test_save_and_load_frames_round_trip(worker: tuple[str, int, int], hashes: l
     assert _decoded(fq.encode_load(worker, hashes, ids, lease)) == fq.LoadRequest(worker, lease, hashes, ids)
 
 
+@st.composite
+def block_runs(draw: Any) -> list[BlockRun]:
+    """0..4 runs of a hybrid model's groups: each its own hash length, 0..20 hashes, 1..3 block tables."""
+    runs = []
+    for _ in range(draw(st.integers(0, 4))):
+        size = draw(st.integers(1, 40))
+        hashes = draw(st.lists(st.binary(min_size=size, max_size=size), max_size=20))
+        table = st.lists(st.integers(0, U32), min_size=len(hashes), max_size=len(hashes))
+        tables = [draw(table) for _ in range(draw(st.integers(1, 3)))]
+        runs.append(BlockRun(draw(st.integers(0, 255)), hashes, tables))
+    return runs
+
+
+@given(WORKER_KEYS, block_runs(), st.integers(0, U64))
+def test_save_and_load_groups_frames_round_trip(worker: tuple[str, int, int], runs: list[BlockRun], lease: int) -> None:
+    assert BlockRun is fq.BlockRun  # kvseal.client re-exports the lane's
+    assert _decoded(fq.encode_save_groups(worker, runs)) == fq.SaveGroupsRequest(worker, runs)
+    assert _decoded(fq.encode_load_groups(worker, runs, lease)) == fq.LoadGroupsRequest(worker, lease, runs)
+    assert _decoded(fq.encode_load_groups(worker, runs)) == fq.LoadGroupsRequest(worker, 0, runs)
+
+
+def test_groups_block_ids_are_table_major() -> None:
+    """All n ids of table 0, then all n of table 1: the bytes the engine reads are the ones a worker wrote."""
+    frame = fq.encode_save_groups(("A", 1, 2), [BlockRun(3, [b"x", b"y"], [[1, 2], [3, 4]])])
+    run = struct.pack("<BIB", 3, 2, 1) + b"xy" + struct.pack("<B4I", 2, 1, 2, 3, 4)
+    assert frame[5:] == struct.pack("<H", 1) + b"A" + struct.pack("<IIB", 1, 2, 1) + run
+    assert frame[4] == fq.OP_SAVE_GROUPS and fq.OP_NAMES[fq.OP_SAVE_GROUPS] == "SaveGroups"
+    assert fq.OP_NAMES[fq.OP_LOAD_GROUPS] == "LoadGroups"
+
+
+def _groups_body(op: int, runs: bytes, n_runs: int = 1) -> bytes:
+    """A SAVE_GROUPS or LOAD_GROUPS body by hand, for instance "A", ranks 0 and 0 (lease 7), around `runs`."""
+    lease = struct.pack("<Q", 7) if op == fq.OP_LOAD_GROUPS else b""
+    return struct.pack("<H", 1) + b"A" + struct.pack("<II", 0, 0) + lease + struct.pack("<B", n_runs) + runs
+
+
+def _run(n: int, n_tables: int, *, ids: int | None = None, hash_len: int = 1) -> bytes:
+    """A run by hand: n hashes, n_tables announced, and `ids` block ids present (n * n_tables when not given)."""
+    count = n * n_tables if ids is None else ids
+    return struct.pack("<BIB", 0, n, hash_len) + bytes(n * hash_len) + struct.pack("<B", n_tables) + bytes(4 * count)
+
+
+HALF = MAX_BLOCKS_PER_REQUEST // 2
+
+
+@pytest.mark.parametrize("op", [fq.OP_SAVE_GROUPS, fq.OP_LOAD_GROUPS])
+@pytest.mark.parametrize(
+    "runs, n_runs, message",
+    [
+        (_run(2, 0), 1, r"runs\[0\]\.n_tables is 0"),
+        (_run(1, 1) + _run(1, 0), 2, r"runs\[1\]\.n_tables is 0"),
+        (_run(0, 0), 1, r"runs\[0\]\.n_tables is 0"),  # even with no hashes
+        (_run(3, 2, ids=5), 1, r"runs\[0\]\.block_ids run past the end"),
+        (_run(1, 1) + _run(3, 1, ids=0), 2, r"runs\[1\]\.block_ids run past the end"),
+        (_run(3, 1)[:-14], 1, "block_hashes: 3 hashes of 1 bytes run past the end"),  # cut inside the hashes
+        (_run(3, 1)[:-13], 1, "malformed frame"),  # cut before n_tables
+        (_run(1, 1), 2, "malformed frame"),  # a second run announced, not sent
+        (b"", 1, "malformed frame"),
+        (_run(1, 1) + b"x", 1, "GROUPS frame has trailing bytes"),
+        (_run(1, 1), 0, "GROUPS frame has trailing bytes"),  # no runs announced, one sent
+        (struct.pack("<BIB", 0, 3, 0) + struct.pack("<B", 1), 1, "block_hashes: hash_len is 0"),
+        # the caps hold over all runs, checked before the bytes they announce are read
+        (struct.pack("<BIB", 0, MAX_BLOCKS_PER_REQUEST + 1, 1), 1, f"block_hashes has {MAX_BLOCKS_PER_REQUEST + 1}"),
+        (_run(MAX_BLOCKS_PER_REQUEST, 1) + struct.pack("<BIB", 0, 1, 1), 2, "block_hashes has .* over all runs"),
+        (_run(HALF + 1, 2, ids=0), 1, f"block_ids has {MAX_BLOCKS_PER_REQUEST + 2} entries over all runs"),
+        (_run(HALF, 1) + _run(HALF // 2 + 1, 2, ids=0), 2, "block_ids has .* over all runs"),
+    ],
+)
+def test_malformed_groups_frames_are_invalid_argument_naming_the_field(
+    op: int, runs: bytes, n_runs: int, message: str
+) -> None:
+    body = _groups_body(op, runs, n_runs)
+    assert len(body) <= fq.FRAME_LIMITS[op]  # a header the lane accepts: the body's decoding refuses it
+    with pytest.raises(InvalidArgument, match=message):
+        fq.decode_request(op, body)
+
+
+@pytest.mark.parametrize("op", [fq.OP_SAVE_GROUPS, fq.OP_LOAD_GROUPS])
+def test_groups_frames_at_the_caps_decode(op: int) -> None:
+    """MAX_BLOCKS_PER_REQUEST hashes and as many block ids, over two runs, are within the caps."""
+    body = _groups_body(op, _run(HALF, 1) + _run(HALF, 1, hash_len=2), 2)
+    request = fq.decode_request(op, body)
+    assert isinstance(request, fq.SaveGroupsRequest | fq.LoadGroupsRequest)
+    assert [(len(r.hashes), len(r.hashes[0]), len(r.block_ids)) for r in request.runs] == [(HALF, 1, 1), (HALF, 2, 1)]
+
+
 @given(st.sampled_from(["loaded", "missing", "refused"]), st.integers(0, U32), st.text(), st.text())
 def test_load_answer_round_trips(outcome: str, loaded: int, reason: str, message: str) -> None:
     body = fq.encode_load_ok(outcome, loaded, reason, message)[5:]
@@ -95,6 +184,25 @@ def test_an_error_message_is_cut_at_a_character_boundary(message: str) -> None:
 @given(st.text(min_size=1, max_size=40), SAME_LENGTH_HASHES, st.integers(0, U32))
 def test_query_frame_round_trips(instance_id: str, hashes: list[bytes], ttl: int) -> None:
     assert _decoded(fq.encode_query(instance_id, hashes, ttl)) == fq.QueryRequest(instance_id, ttl, hashes)
+
+
+@given(st.text(max_size=40), SAME_LENGTH_HASHES, st.text(max_size=40), st.one_of(st.just(0), st.integers(0, U32)))
+@example("A", [], "", 0)
+@example("A", [b"h"], "r", U32)
+def test_query_frame_with_a_limit_round_trips(instance_id: str, hashes: list[bytes], rid: str, limit: int) -> None:
+    """limit_tokens travels as 4 trailing bytes only when nonzero: a frame without it is the one from before."""
+    frame = fq.encode_query(instance_id, hashes, 5, rid, limit)
+    assert _decoded(frame) == fq.QueryRequest(instance_id, 5, hashes, rid, limit)
+    assert len(frame) == len(fq.encode_query(instance_id, hashes, 5, rid)) + (4 if limit else 0)
+
+
+def test_query_limit_is_exactly_four_bytes() -> None:
+    body = fq.encode_query("A", HASHES[:2])[5:]
+    assert fq.decode_request(fq.OP_QUERY, body + bytes(4)) == fq.QueryRequest("A", 0, HASHES[:2], "", 0)
+    assert fq.decode_request(fq.OP_QUERY, body + struct.pack("<I", 9)) == fq.QueryRequest("A", 0, HASHES[:2], "", 9)
+    for extra in (1, 2, 3, 5, 8):
+        with pytest.raises(InvalidArgument, match="QUERY frame has trailing bytes"):
+            fq.decode_request(fq.OP_QUERY, body + bytes(extra))
 
 
 @given(st.text(max_size=40), st.integers(0, U64))
@@ -217,11 +325,33 @@ def test_codec_refuses_what_the_lane_cannot_carry() -> None:
         (fq.encode_save, (("A", -1, 0), [b"h"], [0])),
         (fq.encode_load, (("A", 0, 0), [b"h"], [0], -1)),
         (fq.encode_unregister, (("A", 0, 2**32),)),
+        (fq.encode_query, ("A", [b"h"], 0, "", 2**32)),
+        (fq.encode_query, ("A", [b"h"], 0, "", -1)),
+        (fq.encode_save_groups, (("A", 2**32, 0), [])),
+        (fq.encode_load_groups, (("A", 0, 0), [], -1)),
     ):
         with pytest.raises(fq.Unframeable, match="do not fit"):
             encode(*args)
     with pytest.raises(fq.Unframeable, match="65535"):
         fq.encode_hello("t" * 0x10000)
+    for runs, message in (
+        ([BlockRun(0, [b"h", b"i"], [[1, 2], [3]])], r"runs\[0\]\.block_ids\[1\] and block_hashes differ"),
+        ([BlockRun(0, [b"h"], [[0]]), BlockRun(1, [b"h"], [])], r"runs\[1\] has 0 block tables"),
+        ([BlockRun(0, [], [[]] * 256)], "has 256 block tables; the lane carries 1..255"),
+        ([BlockRun(0, [b"h"], [[2**32]])], "32 bits"),
+        ([BlockRun(0, [b"h"], [[-1]])], "32 bits"),
+        ([BlockRun(0, [b"a", b"bb"], [[0, 1]])], "one length"),
+        ([BlockRun(256, [b"h"], [[0]])], "do not fit"),
+        ([BlockRun(-1, [b"h"], [[0]])], "do not fit"),
+        ([BlockRun(0, [], [[]])] * 256, "at most 255 runs"),
+    ):
+        with pytest.raises(fq.Unframeable, match=message):
+            fq.encode_save_groups(("A", 0, 0), runs)
+        with pytest.raises(fq.Unframeable, match=message):
+            fq.encode_load_groups(("A", 0, 0), runs)
+    assert _decoded(fq.encode_save_groups(("A", 0, 0), [BlockRun(0, [], [[]])] * 255)) == fq.SaveGroupsRequest(
+        ("A", 0, 0), [BlockRun(0, [], [[]])] * 255
+    )
     with pytest.raises(InvalidArgument, match="registration is"):
         fq.encode_register(bytes(MAX_REGISTER_BYTES + 1))
 
@@ -232,6 +362,8 @@ frames = st.one_of(
     st.builds(fq.encode_query, st.text(max_size=10), SAME_LENGTH_HASHES, st.integers(0, U32)),
     st.builds(fq.encode_release, st.text(max_size=10), st.integers(0, U64)),
     st.builds(fq.encode_unregister, WORKER_KEYS),
+    st.builds(fq.encode_save_groups, WORKER_KEYS, block_runs()),
+    st.builds(fq.encode_load_groups, WORKER_KEYS, block_runs(), st.integers(0, U64)),
     st.builds(fq.encode_hello, st.text(max_size=20)),
     st.builds(fq.encode_register, st.binary(max_size=200)),
     st.builds(
@@ -272,7 +404,7 @@ def test_frame_buffer_refuses_an_oversized_header_before_its_body(op: int) -> No
         over.next_frame()
 
 
-@pytest.mark.parametrize("op", [0, 8, 255])
+@pytest.mark.parametrize("op", [0, 10, 255])
 def test_frame_buffer_refuses_an_unknown_op_from_its_header(op: int) -> None:
     buf = fq.FrameBuffer()
     buf.feed(struct.pack("<IB", 1, op))
@@ -365,7 +497,7 @@ def test_lane_survives_malformed_frames(engine: EngineProcess, owner: Owner) -> 
     path = owner.client.info().lane_socket
     bad: list[bytes] = [
         struct.pack("<IB", 3, fq.OP_QUERY) + b"\x05\x00A",  # instance_id runs past the frame
-        struct.pack("<IB", 0, 9),  # unknown op, empty body
+        struct.pack("<IB", 0, 10),  # unknown op, empty body
         fq.encode_query("A", HASHES)[:-1],  # truncated: the length says one more byte
         struct.pack("<IB", fq.MAX_FRAME + 1, fq.OP_QUERY),  # oversized
         fq.encode_query("A", HASHES) + b"trailing",  # declared length excludes these: a second bad frame

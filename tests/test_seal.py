@@ -130,7 +130,7 @@ def geometry_for(draw: st.DrawFn, name: str, group_id: int) -> LayerGeometry:
 def kv_groups(draw: st.DrawFn, block_size: int) -> KvGroup:
     kind = draw(st.sampled_from(GROUP_KINDS))
     span = draw(st.integers(2 if kind == "sliding" else 1, 1 << 16)) if kind in SPAN_KINDS else 0
-    return KvGroup(kind, draw(st.sampled_from((block_size, 2 * block_size, 544))), span)
+    return KvGroup(kind, draw(st.sampled_from((block_size, 2 * block_size, 17 * block_size))), span)
 
 
 layer_names = st.one_of(
@@ -207,14 +207,24 @@ def test_layout_facts(spec: InstanceSpec, rnd: random.Random) -> None:
             assert layout.slot_sizes[slot] == g.slot_bytes == g.segments * g.segment_bytes
             offset += g.slot_bytes
     assert offset == layout.page_bytes
-    # every (layer, tp_rank) cell is written by exactly one worker
-    masks = [sealed.cell_mask(w.key) for w in workers]
-    full = (1 << layout.num_slots) - 1
-    assert sum(masks) == full
-    union = 0
-    for m in masks:
-        assert m & union == 0
-        union |= m
+    # each group is stored apart: its own layers, pages that add up to the layout's; one group is the layout itself
+    parts = sealed.parts
+    assert [p.group for p in parts] == list(range(len(layout.groups)))
+    assert sum(p.layout.page_bytes for p in parts) == layout.page_bytes
+    if len(parts) == 1:
+        assert parts[0].layout == layout and parts[0].name == sealed.namespace_final
+    for p in parts:
+        in_group = [g.name for g in layout.layers if g.group_id == p.group]
+        assert [g.name for g in p.layout.layers] == in_group and list(p.layer_ids) == in_group
+        assert p.kind == layout.groups[p.group]
+        assert len(parts) == 1 or p.name == f"{sealed.namespace_final}/g{p.group}"
+        # every (layer, tp_rank) cell of a group's page is written by exactly one worker
+        masks = [sealed.cell_mask(w.key, p.group) for w in workers]
+        assert sum(masks) == (1 << p.layout.num_slots) - 1
+        union = 0
+        for m in masks:
+            assert m & union == 0
+            union |= m
     for w in workers:
         assert sorted(sealed.worker_layer_ids[w.key]) == sorted(
             sealed.layer_ids[layer.geometry.name] for layer in w.layers
@@ -298,7 +308,12 @@ def mutate(spec: InstanceSpec, mutation: str, draw: st.DrawFn) -> InstanceSpec:
         )
     if mutation == "block_size":
         return replace(
-            spec, block_size=draw(st.sampled_from((1, 8, 16, 32, 256)).filter(lambda v: v != spec.block_size))
+            spec,  # the hash's block: every group's block size stays a multiple of it (1 always is)
+            block_size=draw(
+                st.sampled_from((1, 8, 16, 32, 256)).filter(
+                    lambda v: v != spec.block_size and all(k.block_size % v == 0 for k in spec.groups)
+                )
+            ),
         )
     if mutation == "tp_size":
         return replace(spec, tp_size=draw(st.integers(1, 4).filter(lambda v: v != spec.tp_size)))

@@ -25,6 +25,13 @@ still reads), Mamba-like state (the state at the end of the prefix). A registrat
 format 1 (their fingerprints and stored blocks do not change). Any other group list is format 2: the same model
 with vLLM's hybrid manager on or off, or with another window, gets another namespace_final.
 
+Each group's blocks are stored apart, as pages of that group's layers only (`StoragePart`): the store keeps them
+under the namespace `namespace_final` when the layout has one group, else `namespace_final/g<index>` (a name no
+client's namespace_final can take: those end in ".<fingerprint>"), with a layout of the group's layers alone. A
+layer also names its block `table` within its group (node-local, not in the descriptor): vLLM gives each of its KV
+cache groups a block table, and its groups of one spec, which kvseal merges into one, still address their blocks by
+their own ids: table t of a group is the t-th of the vLLM groups merged into it (0 when there is one).
+
 A page holds one slot per (layer_id, tp_rank), in that order:
 
     page = | L0 r0 | L0 r1 | ... | L0 r(T-1) | L1 r0 | ... | L(L-1) r(T-1) |
@@ -36,7 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvseal.errors import FailedPrecondition, InvalidArgument, quote
@@ -107,6 +114,7 @@ class LayerRegistration:
     num_blocks: int
     strides: tuple[int, ...]
     memory: Any = field(default=None, compare=False)
+    table: int = 0  # which of its group's block tables addresses this layer (vLLM: its KV cache group's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +128,7 @@ class WorkerRegistration:
     block_size: int
     layers: tuple[LayerRegistration, ...]
     groups: tuple[KvGroup, ...] = ()  # none: one full-attention group of block_size
+    eagle_groups: tuple[int, ...] = ()  # groups a drafter reads: a hit also needs the block after it
 
     @property
     def key(self) -> tuple[int, int]:
@@ -156,6 +165,16 @@ def validate_registration(reg: WorkerRegistration) -> None:
         raise InvalidArgument(f"groups: at most {MAX_GROUPS} KV cache groups, got {len(reg.groups)}")
     for i, group in enumerate(reg.groups):
         _validate_group(f"groups[{i}]", group)
+        if group.block_size % reg.block_size:
+            raise InvalidArgument(
+                f"groups[{i}].block_size {group.block_size} must be a multiple of block_size {reg.block_size} (the "
+                "tokens each block hash covers)"
+            )
+    for i, g in enumerate(reg.eagle_groups):
+        if not 0 <= g < max(len(reg.groups), 1) or g in reg.eagle_groups[:i]:
+            raise InvalidArgument(f"eagle_groups[{i}] {g} must name a listed group, once")
+        if reg.groups and reg.groups[g].kind == "chunked":
+            raise InvalidArgument(f"eagle_groups[{i}] {g} is chunked local attention, which no drafter reads in vLLM")
     seen: set[str] = set()
     for i, layer in enumerate(reg.layers):
         _validate_layer(f"layers[{i}]", layer)
@@ -167,6 +186,8 @@ def validate_registration(reg: WorkerRegistration) -> None:
                 f"layers[{i}].group_id {layer.geometry.group_id} names no group: {len(reg.groups)} listed"
                 + ("" if reg.groups else " (none listed: one full-attention group, id 0)")
             )
+        if not 0 <= layer.table < MAX_GROUPS:
+            raise InvalidArgument(f"layers[{i}].table must be in 0..{MAX_GROUPS - 1}, got {layer.table}")
 
 
 def _validate_group(where: str, group: KvGroup) -> None:
@@ -390,18 +411,56 @@ class SealedInstance:
     layer_ids: dict[str, int]
     # worker key (tp_rank, pp_rank) -> the dense ids of the layers that worker holds, in its registration order
     worker_layer_ids: dict[tuple[int, int], tuple[int, ...]]
+    eagle_groups: tuple[int, ...] = ()
     namespace_final: str = field(init=False, repr=False, compare=False)  # computed once: every RPC returns it
+    parts: tuple[StoragePart, ...] = field(init=False, repr=False, compare=False)  # one per group
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "namespace_final", namespace_final(self.namespace, self.layout))
+        final = namespace_final(self.namespace, self.layout)
+        object.__setattr__(self, "namespace_final", final)
+        object.__setattr__(self, "parts", storage_parts(final, self.layout))
 
-    def cell_mask(self, worker_key: tuple[int, int]) -> int:
-        """Bit (layer_id * tp_size + tp_rank) set for every slot that worker writes."""
+    def cell_mask(self, worker_key: tuple[int, int], group: int = 0) -> int:
+        """Bit (layer_id * tp_size + tp_rank) of `group`'s page set for every slot that worker writes."""
         tp_rank = worker_key[0]
+        part = self.parts[group]
         mask = 0
         for layer_id in self.worker_layer_ids[worker_key]:
-            mask |= 1 << self.layout.slot(layer_id, tp_rank)
+            layer_in_part = part.layer_ids.get(self.layout.layers[layer_id].name)
+            if layer_in_part is not None:
+                mask |= 1 << part.layout.slot(layer_in_part, tp_rank)
         return mask
+
+
+@dataclass(frozen=True, slots=True)
+class StoragePart:
+    """Where one KV cache group's blocks are kept: under store namespace `name`, as pages of `layout` (the group's
+    layers only, its block size, the group alone). `layer_ids`: layer name -> its id in that layout."""
+
+    group: int
+    name: str
+    layout: Layout
+    layer_ids: dict[str, int]
+
+    @property
+    def kind(self) -> KvGroup:
+        return self.layout.groups[0]
+
+
+def storage_parts(namespace_final: str, layout: Layout) -> tuple[StoragePart, ...]:
+    """The layout's groups as stored: one group is the layout itself under namespace_final (format 1 layouts are
+    stored exactly as before groups existed); several are each a layout of their own layers, renumbered to group
+    0, under namespace_final/g<index>."""
+    if len(layout.groups) == 1:
+        return (StoragePart(0, namespace_final, layout, {g.name: i for i, g in enumerate(layout.layers)}),)
+    parts = []
+    for index, group in enumerate(layout.groups):
+        layers = [replace(g, group_id=0) for g in layout.layers if g.group_id == index]
+        part = build_layout(group.block_size, layout.tp_size, layers, (group,))
+        parts.append(
+            StoragePart(index, f"{namespace_final}/g{index}", part, {g.name: i for i, g in enumerate(part.layers)})
+        )
+    return tuple(parts)
 
 
 class InstanceRegistry:
@@ -446,7 +505,7 @@ class InstanceRegistry:
 
 
 def _check_agreement(reg: WorkerRegistration, other: WorkerRegistration) -> None:
-    for name in ("namespace", "tp_size", "world_size", "block_size", "groups"):
+    for name in ("namespace", "tp_size", "world_size", "block_size", "groups", "eagle_groups"):
         mine, theirs = getattr(reg, name), getattr(other, name)
         if mine != theirs:
             raise FailedPrecondition(
@@ -501,4 +560,5 @@ def seal(workers: list[WorkerRegistration]) -> SealedInstance:
         layout=layout,
         layer_ids=layer_ids,
         worker_layer_ids={w.key: tuple(layer_ids[layer.geometry.name] for layer in w.layers) for w in workers},
+        eagle_groups=first.eagle_groups,
     )

@@ -20,6 +20,7 @@ class Lease:
     shares: int
     consumed: set[tuple[int, int]]
     deadline: float
+    mixed: bool = False  # pages of several size classes (a hybrid query's groups): unpinned class by class
 
 
 class Leases:
@@ -33,11 +34,11 @@ class Leases:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def open(self, owner: str, pages: tuple[int, ...], shares: int, deadline: float) -> int:
+    def open(self, owner: str, pages: tuple[int, ...], shares: int, deadline: float, mixed: bool = False) -> int:
         """A new lease over pages the caller pinned. Returns its id (never 0)."""
         lease_id = self._next_id
         self._next_id += 1
-        self._leases[lease_id] = Lease(lease_id, owner, pages, shares, set(), deadline)
+        self._leases[lease_id] = Lease(lease_id, owner, pages, shares, set(), deadline, mixed)
         heapq.heappush(self._heap, (deadline, lease_id))
         self._owners.setdefault(owner, set()).add(lease_id)
         return lease_id

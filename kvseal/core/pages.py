@@ -328,6 +328,18 @@ class PageTable:
             self.pinned_blocks -= len(unpinned)
             self.pinned_bytes -= len(unpinned) * self.class_bytes[c]
 
+    def by_class(self, pids: Sequence[int]) -> list[list[int]]:
+        """`pids` cut into runs of one size class each, in order (for pin and unpin, which take one class)."""
+        runs: list[list[int]] = []
+        last = -1
+        for pid in pids:
+            c = self.slab_class[self.slab_of[pid]]
+            if c != last:
+                runs.append([])
+                last = c
+            runs[-1].append(pid)
+        return runs
+
     def _link_mru(self, pids: Sequence[int], c: int) -> None:
         """Puts pages of class c at the most recently used end of its ring, in order (the last is the most
         recent)."""

@@ -290,18 +290,50 @@ class BlockStore:
         self._pages.pin(pages)
         return PinnedPrefix(len(pages), self._leases.open(owner, tuple(pages), shares, deadline))
 
+    def resident(self, ns_id: int, layout: Layout, hashes: Sequence[bytes]) -> list[int | None]:
+        """Per hash, the page holding it sealed in the namespace, or None (a hybrid query's presence, anywhere in
+        the prompt: a sliding window's blocks need not start at its first block). Nothing is pinned or counted."""
+        self.expire()
+        ns = self._namespaces[ns_id]
+        ns.last_used = self._wall_clock()
+        if self._namespaces.layouts[ns.layout_id].digest != layout.digest:
+            ns.refused["digest"] += 1
+            return [None] * len(hashes)
+        state = self._pages.state
+        return [pid if pid is not None and state[pid] == SEALED else None for pid in ns.index.get_many(hashes)]
+
+    def lease_pages(self, pages: Sequence[int], owner: str, shares: int, ttl_s: float | None = None) -> int:
+        """Pins sealed pages (of any namespaces, found by resident() under the same lock hold) under one lease of
+        `shares` loads; 0 when `pages` is empty."""
+        if not pages:
+            return 0
+        deadline = self._clock() + (self.lease_ttl_s if ttl_s is None else ttl_s)
+        for run in self._pages.by_class(pages):
+            self._pages.pin(run)
+        return self._leases.open(owner, tuple(pages), shares, deadline, mixed=True)
+
+    def count_hits(self, ns_id: int, hits: int, misses: int) -> None:
+        """A hybrid query's hits and misses of one group's namespace (query() counts its own)."""
+        ns = self._namespaces[ns_id]
+        ns.hits += hits
+        ns.misses += misses
+
     def release(self, lease_id: int, owner: str) -> None:
         lease = self._leases.get(lease_id)
         if lease is None or lease.owner != owner:
             raise NotFound(f"lease_id {lease_id} is not an open lease of instance {quote(owner)} (released or expired)")
-        self._pages.unpin(self._leases.end(lease).pages)
+        self._unpin_lease(self._leases.end(lease))
 
     def release_owner(self, owner: str) -> int:
         """Ends every lease of an instance (it unregistered or a worker's session dropped)."""
         ended = self._leases.end_owner(owner)
         for lease in ended:
-            self._pages.unpin(lease.pages)
+            self._unpin_lease(lease)
         return len(ended)
+
+    def _unpin_lease(self, lease: Lease) -> None:
+        for run in self._pages.by_class(lease.pages) if lease.mixed else (lease.pages,):
+            self._pages.unpin(run)
 
     def lease(self, lease_id: int) -> Lease | None:
         return self._leases.get(lease_id)
@@ -412,7 +444,7 @@ class BlockStore:
         self._pages.unpin(plan.pages)
         ended = self._leases.consume(plan.lease_id, plan.worker_key)
         if ended is not None:
-            self._pages.unpin(ended.pages)
+            self._unpin_lease(ended)
 
     # ---------------------------------------------------------------- time
 
@@ -424,7 +456,7 @@ class BlockStore:
             self._discard(stale)
             self._reclaimed += len(stale)
         for lease in self._leases.expire(now):
-            self._pages.unpin(lease.pages)
+            self._unpin_lease(lease)
 
     # ---------------------------------------------------------------- emptying slabs for other classes, in steps
 

@@ -45,21 +45,25 @@ def map_memory(reg: WorkerRegistration, plan: ShmPlan, arena: Arena) -> tuple[li
 
 def plan_copies(
     workers: dict[tuple[int, int], Worker], sealed: SealedInstance, max_page_bytes: int, arena: Arena
-) -> dict[tuple[int, int], WorkerCopier]:
-    """The copiers of a sealed instance's workers (pure: raises before anything is changed)."""
-    layout = sealed.layout
-    if layout.page_bytes > max_page_bytes:
-        raise ResourceExhausted(
-            f"a page of this layout holds {layout.page_bytes} bytes ({layout.num_slots} slots) but the pool's "
-            f"largest page is {max_page_bytes} bytes: raise --pool-size (and --slab-size)"
-        )
+) -> dict[tuple[int, int], dict[tuple[int, int], WorkerCopier]]:
+    """Per worker, the copiers of a sealed instance: one per (group, table) the worker holds layers of, each moving
+    those layers' slots of the group's pages (pure: raises before anything is changed)."""
+    for part in sealed.parts:
+        if part.layout.page_bytes > max_page_bytes:
+            layout = part.layout
+            what = "this layout" if len(sealed.parts) == 1 else f"group {part.group} of this layout"
+            raise ResourceExhausted(
+                f"a page of {what} holds {layout.page_bytes} bytes ({layout.num_slots} slots) but the pool's "
+                f"largest page is {max_page_bytes} bytes: raise --pool-size (and --slab-size)"
+            )
     copiers = {}
     for key, worker in workers.items():
-        sources = []
+        sources: dict[tuple[int, int], list[SlotSource]] = {}
         for layer, memory, offset in zip(worker.registration.layers, worker.memories, worker.offsets, strict=True):
             g = layer.geometry
-            slot = layout.slot(sealed.layer_ids[g.name], key[0])
-            sources.append(
+            part = sealed.parts[g.group_id]
+            slot = part.layout.slot(part.layer_ids[g.name], key[0])
+            sources.setdefault((g.group_id, layer.table), []).append(
                 SlotSource(
                     memory=memory,
                     src_offset=offset,
@@ -68,10 +72,13 @@ def plan_copies(
                     num_blocks=layer.num_blocks,
                     segments=g.segments,
                     segment_bytes=g.segment_bytes,
-                    dst_offset=layout.slot_offsets[slot],
+                    dst_offset=part.layout.slot_offsets[slot],
                 )
             )
-        copiers[key] = WorkerCopier(sources, arena.bytes, page_stride(layout.page_bytes))
+        copiers[key] = {
+            (group, table): WorkerCopier(run, arena.bytes, page_stride(sealed.parts[group].layout.page_bytes))
+            for (group, table), run in sources.items()
+        }
     return copiers
 
 

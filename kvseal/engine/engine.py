@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvseal.core.hybrid import hybrid_hit, needed_blocks
 from kvseal.core.layout import (
     LayoutDifference,
     SealedInstance,
@@ -27,7 +28,7 @@ from kvseal.core.layout import (
     layout_from_descriptor,
     validate_registration,
 )
-from kvseal.core.store import BlockStore, SavePlan
+from kvseal.core.store import BlockStore, LoadPlan, SavePlan
 from kvseal.engine import attach, views
 from kvseal.engine.lock import LockStatistics, TimedLock
 from kvseal.engine.memory import (
@@ -80,6 +81,7 @@ __all__ = [
 # released and at once taken again by the same thread mostly goes to that thread)
 RECLAIM_YIELD_S = 50e-6
 SAVE_STEP = 512  # hashes a Save reserves per engine-lock hold (tiny pages, evicting: ~5 ms of bookkeeping)
+Run = tuple[int, Sequence[bytes], Sequence[Sequence[int]]]  # (group, hashes, block ids per block table of the group)
 
 
 class Engine:
@@ -169,10 +171,10 @@ class Engine:
             # nothing below can fail: commit
             self.registry.commit(inst, workers, reg)
             if sealed is not None:
-                inst.ns_id = self.store.namespace(sealed.namespace_final, sealed.layout, tenant(inst.uid))
+                inst.ns_ids = tuple(self.store.namespace(p.name, p.layout, tenant(inst.uid)) for p in sealed.parts)
                 for key, w in workers.items():
-                    w.copier = copiers[key]
-                    w.cell_mask = sealed.cell_mask(key)
+                    w.copiers = copiers[key]
+                    w.cell_masks = [sealed.cell_mask(key, p.group) for p in sealed.parts]
             return inst.status()
 
     def unregister(self, worker: WorkerKey, session: Session) -> int:
@@ -203,24 +205,48 @@ class Engine:
     def save(
         self, worker: WorkerKey, hashes: Sequence[bytes], block_ids: Sequence[int], session: Session
     ) -> SaveResult:
+        """A Save of group 0's blocks through one block table (every layout of one group)."""
+        return self.save_groups(worker, [(0, hashes, [block_ids])], session)
+
+    def save_groups(self, worker: WorkerKey, runs: Sequence[Run], session: Session) -> SaveResult:
+        """Saves each run's blocks: (group, hashes, block ids per table of that group). A worker that holds none of
+        a group's layers skips its runs (another worker writes those pages)."""
+        checked = _check_runs(runs) or [(0, [], [[]])]
+        results = [self._save_run(worker, session, *run) for run in checked]
+        return SaveResult(
+            written=sum(r.written for r in results),
+            skipped=sum(r.skipped for r in results),
+            not_stored=sum(r.not_stored for r in results),
+            completed=sum(r.completed for r in results),
+            namespace_final=results[0].namespace_final,
+        )
+
+    def _save_run(
+        self, worker: WorkerKey, session: Session, group: int, hashes: list[bytes], tables: list[list[int]]
+    ) -> SaveResult:
         """Reserves pages for the hashes SAVE_STEP at a time (one engine-lock hold each, so that a Save of
-        thousands of tiny blocks does not stall every query), copies every reserved block in one call, then
-        finishes the steps' plans. A hash repeated across steps is copied twice into its one page: harmless."""
-        hashes, block_ids = _check_blocks(hashes, block_ids)
+        thousands of tiny blocks does not stall every query), copies every reserved block in one call per table,
+        then finishes the steps' plans. A hash repeated across steps is copied twice into its one page: harmless."""
         plans: list[tuple[int, SavePlan]] = []
         ok = False
         elapsed = 0.0
+        copied = 0
         try:
             for first in range(0, max(len(hashes), 1), SAVE_STEP):
                 step = hashes[first : first + SAVE_STEP]
-                inst, w, sealed, plan = self._begin_save(worker, session, step, block_ids if not first else [])
+                inst, w, sealed, plan = self._begin_save(worker, session, group, step, tables if not first else [])
+                if plan is None:
+                    break
                 plans.append((first, plan))
-            ids = [block_ids[first + i] for first, plan in plans for i in plan.positions]
+            positions = [first + i for first, plan in plans for i in plan.positions]
             offsets = [o for _, plan in plans for o in plan.offsets]
-            assert w.copier is not None  # sealed: _begin_save checked
             start = time.perf_counter()
-            w.copier.save(ids, offsets)
+            for table in range(w.tables[group]):
+                copier = w.copiers.get((group, table))
+                if copier is not None:  # a table of the group whose layers this worker does not hold: none
+                    copier.save([tables[table][k] for k in positions], offsets)
             elapsed = time.perf_counter() - start
+            copied = len(positions)
             ok = True
         finally:
             completed = 0
@@ -228,11 +254,12 @@ class Engine:
                 with self._lock:
                     sealed_pages = self.store.finish_save_pages(plan, ok)
                     completed += len(sealed_pages)
-                    self.tiers.write_through(inst.key, sealed.layout, sealed_pages)
+                    part = sealed.parts[group]
+                    self.tiers.write_through(inst.part_key(group), part.layout, sealed_pages)
             if plans:
                 with self._lock:
                     self.counters.saves += 1
-                    self.counters.save_bytes += len(ids if ok else ()) * w.slot_bytes
+                    self.counters.save_bytes += copied * w.group_bytes[group]
                     self.counters.save_seconds += elapsed
         return SaveResult(
             written=sum(len(plan.pages) for _, plan in plans),
@@ -243,19 +270,23 @@ class Engine:
         )
 
     def _begin_save(
-        self, worker: WorkerKey, session: Session, hashes: list[bytes], block_ids: list[int]
-    ) -> tuple[Instance, Worker, SealedInstance, SavePlan]:
-        """One step of a Save: `block_ids` are range-checked (the first step gets them all)."""
+        self, worker: WorkerKey, session: Session, group: int, hashes: list[bytes], tables: list[list[int]]
+    ) -> tuple[Instance, Worker, SealedInstance, SavePlan | None]:
+        """One step of a Save (None: this worker holds none of the group's layers). `tables` are checked (the
+        first step gets them all)."""
         while True:
             with self._lock:
                 inst, w = self.registry.owned_worker(worker, session)
                 self.registry.find_sealed(worker[0])
-                _check_block_range(block_ids, w.num_blocks)
                 sealed = inst.sealed
-                assert sealed is not None and w.copier is not None
+                assert sealed is not None
+                _check_tables(sealed, w, group, tables)
+                if not w.tables[group]:
+                    return inst, w, sealed, None
+                ns_id, layout = inst.ns_ids[group], sealed.parts[group].layout
                 # a slab of another class is emptied for these pages in bounded steps, the lock released between
-                if not self.store.reclaim(inst.ns_id, sealed.layout, hashes):
-                    return inst, w, sealed, self.store.begin_save(inst.ns_id, sealed.layout, hashes, w.cell_mask)
+                if not self.store.reclaim(ns_id, layout, hashes):
+                    return inst, w, sealed, self.store.begin_save(ns_id, layout, hashes, w.cell_masks[group])
             time.sleep(RECLAIM_YIELD_S)
 
     def load(
@@ -266,42 +297,73 @@ class Engine:
         session: Session,
         lease_id: int = 0,
     ) -> LoadResult:
-        hashes, block_ids = _check_blocks(hashes, block_ids)
+        """A Load of group 0's blocks through one block table (every layout of one group)."""
+        return self.load_groups(worker, [(0, hashes, [block_ids])], session, lease_id)
+
+    def load_groups(self, worker: WorkerKey, runs: Sequence[Run], session: Session, lease_id: int = 0) -> LoadResult:
+        """Copies each run's resident blocks (group, hashes, block ids per table) into the worker's memory, run
+        after run, up to the first block that is missing or refused (the outcome names it); `loaded` counts the
+        blocks loaded. The lease (one share: this worker's) is consumed whatever the outcome."""
+        checked = _check_runs(runs) or [(0, [], [[]])]
         with self._lock:
             inst, w = self.registry.owned_worker(worker, session)
             self.registry.find_sealed(worker[0])
-            _check_block_range(block_ids, w.num_blocks)
             sealed = inst.sealed
-            assert sealed is not None and w.copier is not None
-            plan = self.store.begin_load(
-                inst.ns_id,
-                sealed.layout,
-                hashes,
-                lease_id=lease_id,
-                owner=worker[0],
-                worker_key=(worker[1], worker[2]),
-            )
+            assert sealed is not None
+            for group, _, tables in checked:
+                _check_tables(sealed, w, group, tables)
+            plans: list[tuple[int, list[list[int]], LoadPlan]] = []
+            for group, hashes, tables in checked:
+                if not w.tables[group] and plans:
+                    continue
+                plan = self.store.begin_load(
+                    inst.ns_ids[group],
+                    sealed.parts[group].layout,
+                    hashes if w.tables[group] else [],
+                    lease_id=0 if plans else lease_id,  # consumed once, by the first plan
+                    owner=worker[0],
+                    worker_key=(worker[1], worker[2]),
+                )
+                plans.append((group, tables, plan))
+                if plan.outcome != "loaded":
+                    break
         start = time.perf_counter()
         try:
-            w.copier.load(block_ids[: len(plan.pages)], plan.offsets)
+            for group, tables, plan in plans:
+                n = len(plan.pages)
+                for table in range(w.tables[group]):
+                    copier = w.copiers.get((group, table))
+                    if copier is not None:
+                        copier.load(tables[table][:n], plan.offsets)
         finally:
             elapsed = time.perf_counter() - start
             with self._lock:
-                self.store.finish_load(plan)
+                for group, _, plan in plans:
+                    self.store.finish_load(plan)
+                    self.counters.load_bytes += len(plan.pages) * w.group_bytes[group]
                 self.counters.loads += 1
-                self.counters.load_bytes += len(plan.pages) * w.slot_bytes
                 self.counters.load_seconds += elapsed
-        return LoadResult(plan.outcome, len(plan.pages), plan.reason, plan.message)
+        last = plans[-1][2]
+        return LoadResult(last.outcome, sum(len(p.pages) for _, _, p in plans), last.reason, last.message)
 
     def query(
-        self, instance_id: str, hashes: Sequence[bytes], caller: Caller, lease_ttl_ms: int = 0, request_id: str = ""
+        self,
+        instance_id: str,
+        hashes: Sequence[bytes],
+        caller: Caller,
+        lease_ttl_ms: int = 0,
+        request_id: str = "",
+        max_tokens: int = 0,
     ) -> QueryResult:
         """`lease_ttl_ms` (0: the engine's) is capped at the engine's --lease-ttl; the answer says what was granted.
         When the prefix continues on SSD or a peer the answer is `loading` (no hits, no lease) while those blocks
-        are brought into the pool: the caller asks again."""
+        are brought into the pool: the caller asks again. An instance of several KV cache groups (or one a drafter
+        reads) gets the hybrid hit (hybrid_query): `max_tokens` (0: every hash's) bounds it."""
         hashes = _check_hashes(hashes)
         if lease_ttl_ms < 0:
             raise InvalidArgument(f"lease_ttl_ms must be >= 0, got {lease_ttl_ms}")
+        if max_tokens < 0:
+            raise InvalidArgument(f"max_tokens must be >= 0, got {max_tokens}")
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidArgument(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters")
         with self._lock:
@@ -311,6 +373,8 @@ class Engine:
             assert sealed is not None
             cap_s = self.store.lease_ttl_s
             ttl_s = min(lease_ttl_ms / 1000, cap_s) if lease_ttl_ms else cap_s
+            if _is_hybrid(sealed):
+                return self._hybrid_query(inst, sealed, hashes, max_tokens, ttl_s)
             result = self.store.query(
                 inst.ns_id, sealed.layout, hashes, owner=instance_id, shares=len(inst.workers), ttl_s=ttl_s
             )
@@ -333,6 +397,29 @@ class Engine:
                 return loading
             self.tiers.note_peer_miss(inst.ns_id, hashes[result.hits])
         return found
+
+    def _hybrid_query(
+        self, inst: Instance, sealed: SealedInstance, hashes: list[bytes], max_tokens: int, ttl_s: float
+    ) -> QueryResult:
+        """The longest prefix every group can serve (kvseal.core.hybrid), its needed pages leased in one lease.
+        `hashes` cover block_size tokens each; a group of k times that block size keys its block i by hash
+        (i + 1) * k - 1 (the hash at its end). Hits count hashes. Under the lock."""
+        step = sealed.layout.block_size
+        limit = len(hashes) * step if not max_tokens else min(max_tokens, len(hashes) * step)
+        kinds, found = [], []
+        for part, ns_id in zip(sealed.parts, inst.ns_ids, strict=True):
+            k = part.kind.block_size // step
+            kinds.append(part.kind)
+            found.append(self.store.resident(ns_id, part.layout, hashes[k - 1 :: k]))
+        present = [[pid is not None for pid in pids] for pids in found]
+        tokens = hybrid_hit(kinds, present, limit, sealed.eagle_groups)
+        pages: list[int] = []
+        for kind, pids, ns_id in zip(kinds, found, inst.ns_ids, strict=True):
+            needed = [pids[i] for i in needed_blocks(kind, tokens)]
+            self.store.count_hits(ns_id, len(needed), len(pids) - len(needed))
+            pages += needed  # type: ignore[arg-type]  # every needed block is present
+        lease_id = self.store.lease_pages(pages, inst.instance_id, len(inst.workers), ttl_s)
+        return QueryResult(tokens // step, lease_id, int(ttl_s * 1000), sealed.namespace_final)
 
     def release(self, instance_id: str, lease_id: int, caller: Caller) -> None:
         if lease_id <= 0:
@@ -509,12 +596,49 @@ def _check_hashes(hashes: Sequence[bytes]) -> list[bytes]:
     return hashes
 
 
-def _check_blocks(hashes: Sequence[bytes], block_ids: Sequence[int]) -> tuple[list[bytes], list[int]]:
-    """The checked hashes and block ids, as lists (see _check_hashes)."""
-    hashes = _check_hashes(hashes)
-    if len(block_ids) != len(hashes):
-        raise InvalidArgument(f"block_ids has {len(block_ids)} entries but block_hashes has {len(hashes)}")
-    return hashes, list(block_ids)
+def _check_runs(runs: Sequence[Run]) -> list[tuple[int, list[bytes], list[list[int]]]]:
+    """The checked runs as lists (see _check_hashes): hashes and every table of a run agree in length, and the
+    runs together stay within MAX_BLOCKS_PER_REQUEST."""
+    out = []
+    total = 0
+    for i, (group, hashes, tables) in enumerate(runs):
+        hashes = _check_hashes(hashes)
+        total += len(hashes) * max(len(tables), 1)
+        if total > MAX_BLOCKS_PER_REQUEST:
+            raise InvalidArgument(f"block_ids: at most {MAX_BLOCKS_PER_REQUEST} per request over all runs")
+        if not tables:
+            raise InvalidArgument(f"runs[{i}].block_ids must hold at least one block table")
+        for t, ids in enumerate(tables):
+            if len(ids) != len(hashes):
+                raise InvalidArgument(
+                    f"runs[{i}].block_ids[{t}] has {len(ids)} entries but block_hashes has {len(hashes)}"
+                )
+        out.append((group, hashes, [list(ids) for ids in tables]))
+    return out
+
+
+def _check_tables(sealed: SealedInstance, w: Worker, group: int, tables: list[list[int]]) -> None:
+    """A run's group exists and carries every block table the worker's layers of that group use, in range."""
+    if not 0 <= group < len(sealed.parts):
+        raise InvalidArgument(f"group {group} names no KV cache group: the instance has {len(sealed.parts)}")
+    if tables and len(tables) < w.tables[group]:
+        raise InvalidArgument(
+            f"group {group} needs {w.tables[group]} block tables (the worker's layers use them), got {len(tables)}"
+        )
+    for ids in tables:
+        _check_block_range(ids, w.num_blocks)
+
+
+def _is_hybrid(sealed: SealedInstance) -> bool:
+    """Whether queries need the hybrid hit: several groups, or one that is not full attention at the hash's block
+    size, or a drafter's block drop."""
+    kind = sealed.parts[0].kind
+    return (
+        len(sealed.parts) > 1
+        or kind.kind != "full"
+        or kind.block_size != sealed.layout.block_size
+        or bool(sealed.eagle_groups)
+    )
 
 
 def _check_block_range(block_ids: Sequence[int], num_blocks: int) -> None:

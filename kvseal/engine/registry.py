@@ -74,9 +74,17 @@ class Worker:
         self.offsets = offsets  # per layer: where its block 0 starts in its memory
         self.mapped_bytes = mapped_bytes  # of the worker's memfds, counted against its uid's cap
         self.num_blocks = min(layer.num_blocks for layer in reg.layers)
-        self.copier: WorkerCopier | None = None
-        self.cell_mask = 0
-        self.slot_bytes = sum(layer.geometry.slot_bytes for layer in reg.layers)  # bytes moved per block
+        groups = max(len(reg.groups), 1)
+        # per group: the block tables a Save or Load must carry for it (0: this worker holds none of its layers)
+        self.tables = [0] * groups
+        self.group_bytes = [0] * groups  # per group: bytes this worker moves per block
+        for layer in reg.layers:
+            g = layer.geometry.group_id
+            self.tables[g] = max(self.tables[g], layer.table + 1)
+            self.group_bytes[g] += layer.geometry.slot_bytes
+        # once sealed: per (group, table), the copier of those layers' slots; per group, the page cells it writes
+        self.copiers: dict[tuple[int, int], WorkerCopier] = {}
+        self.cell_masks: list[int] = []
 
 
 class Instance:
@@ -84,7 +92,12 @@ class Instance:
         self.uid = uid  # the owner: the uid of its first worker
         self.registry = InstanceRegistry(instance_id)
         self.workers: dict[tuple[int, int], Worker] = {}
-        self.ns_id = -1
+        self.ns_ids: tuple[int, ...] = ()  # once sealed: the store namespace of each group's pages
+
+    @property
+    def ns_id(self) -> int:
+        """The store namespace of a one-group instance (the SSD and peer tiers serve only those so far)."""
+        return self.ns_ids[0]
 
     @property
     def instance_id(self) -> str:
@@ -99,6 +112,11 @@ class Instance:
         """Whose blocks, under which final namespace (sealed instances only)."""
         assert self.sealed is not None
         return tenant(self.uid), self.sealed.namespace_final
+
+    def part_key(self, group: int) -> NamespaceKey:
+        """Whose blocks, under which store namespace, for one group's pages (the SSD keeps them apart too)."""
+        assert self.sealed is not None
+        return tenant(self.uid), self.sealed.parts[group].name
 
     def status(self) -> InstanceStatus:
         reg = self.registry

@@ -48,7 +48,7 @@ class MemoryHandle(_message.Message):
     def __init__(self, shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class LayerSpec(_message.Message):
-    __slots__ = ("name", "dtype", "segment_bytes", "segments", "group_id", "layout_tag", "num_blocks", "strides", "memory")
+    __slots__ = ("name", "dtype", "segment_bytes", "segments", "group_id", "layout_tag", "num_blocks", "strides", "memory", "table")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class LayerSpec(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STRIDES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     segment_bytes: int
@@ -67,7 +68,8 @@ class LayerSpec(_message.Message):
     num_blocks: int
     strides: _containers.RepeatedScalarFieldContainer[int]
     memory: MemoryHandle
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., group_id: _Optional[int] = ..., layout_tag: _Optional[str] = ..., num_blocks: _Optional[int] = ..., strides: _Optional[_Iterable[int]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ...) -> None: ...
+    table: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., group_id: _Optional[int] = ..., layout_tag: _Optional[str] = ..., num_blocks: _Optional[int] = ..., strides: _Optional[_Iterable[int]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., table: _Optional[int] = ...) -> None: ...
 
 class WorkerId(_message.Message):
     __slots__ = ("instance_id", "tp_rank", "pp_rank")
@@ -118,7 +120,7 @@ class KvGroup(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., block_size: _Optional[int] = ..., span: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("instance_id", "namespace", "tp_rank", "tp_size", "pp_rank", "world_size", "block_size", "layers", "groups")
+    __slots__ = ("instance_id", "namespace", "tp_rank", "tp_size", "pp_rank", "world_size", "block_size", "layers", "groups", "eagle_groups")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +130,7 @@ class RegisterRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    EAGLE_GROUPS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     namespace: str
     tp_rank: int
@@ -137,7 +140,8 @@ class RegisterRequest(_message.Message):
     block_size: int
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
     groups: _containers.RepeatedCompositeFieldContainer[KvGroup]
-    def __init__(self, instance_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[KvGroup, _Mapping]]] = ...) -> None: ...
+    eagle_groups: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, instance_id: _Optional[str] = ..., namespace: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[KvGroup, _Mapping]]] = ..., eagle_groups: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
     __slots__ = ("written", "skipped", "not_stored", "completed", "namespace_final")
@@ -154,16 +158,18 @@ class SaveResponse(_message.Message):
     def __init__(self, written: _Optional[int] = ..., skipped: _Optional[int] = ..., not_stored: _Optional[int] = ..., completed: _Optional[int] = ..., namespace_final: _Optional[str] = ...) -> None: ...
 
 class QueryRequest(_message.Message):
-    __slots__ = ("instance_id", "block_hashes", "request_id", "lease_ttl_ms")
+    __slots__ = ("instance_id", "block_hashes", "request_id", "lease_ttl_ms", "max_tokens")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     request_id: str
     lease_ttl_ms: int
-    def __init__(self, instance_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., request_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, instance_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., request_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class QueryResponse(_message.Message):
     __slots__ = ("hits", "lease_id", "loading", "namespace_final", "lease_ttl_ms")

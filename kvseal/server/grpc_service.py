@@ -78,7 +78,12 @@ class EngineService(pb_grpc.EngineServicer):
         check_length("request_id", request.request_id, MAX_REQUEST_ID_CHARS)
         check_length("block_hashes", request.block_hashes, MAX_BLOCKS_PER_REQUEST)  # each hash: the engine
         r = self.engine.query(
-            request.instance_id, request.block_hashes, self._caller(context), request.lease_ttl_ms, request.request_id
+            request.instance_id,
+            request.block_hashes,
+            self._caller(context),
+            request.lease_ttl_ms,
+            request.request_id,
+            request.max_tokens,
         )
         return pb.QueryResponse(
             hits=r.hits,

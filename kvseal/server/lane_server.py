@@ -334,7 +334,12 @@ class LaneServer:
             engine, session = self.engine, conn.session
             if isinstance(request, lane.QueryRequest):
                 q = engine.query(
-                    request.instance_id, request.hashes, session.caller, request.lease_ttl_ms, request.request_id
+                    request.instance_id,
+                    request.hashes,
+                    session.caller,
+                    request.lease_ttl_ms,
+                    request.request_id,
+                    request.limit_tokens,
                 )
                 return lane.encode_query_ok(q.hits, q.lease_id, q.lease_ttl_ms, q.namespace_final, q.loading)
             if isinstance(request, lane.ReleaseRequest):
@@ -345,6 +350,14 @@ class LaneServer:
                 return lane.encode_save_ok(s.written, s.skipped, s.not_stored, s.completed, s.namespace_final)
             if isinstance(request, lane.LoadRequest):
                 r = engine.load(request.worker, request.hashes, request.block_ids, session, request.lease_id)
+                return lane.encode_load_ok(r.outcome, r.loaded, r.reason, r.message)
+            if isinstance(request, lane.SaveGroupsRequest):
+                runs = [(run.group, run.hashes, run.block_ids) for run in request.runs]
+                s = engine.save_groups(request.worker, runs, session)
+                return lane.encode_save_ok(s.written, s.skipped, s.not_stored, s.completed, s.namespace_final)
+            if isinstance(request, lane.LoadGroupsRequest):
+                runs = [(run.group, run.hashes, run.block_ids) for run in request.runs]
+                r = engine.load_groups(request.worker, runs, session, request.lease_id)
                 return lane.encode_load_ok(r.outcome, r.loaded, r.reason, r.message)
             if isinstance(request, lane.UnregisterRequest):
                 return lane.encode_unregister_ok(engine.unregister(request.worker, session))
@@ -429,6 +442,7 @@ def decode_registration(body: bytes) -> WorkerRegistration:
     check_length("instance_id", request.instance_id, MAX_INSTANCE_ID_CHARS)
     check_length("namespace", request.namespace, MAX_NAME_CHARS)
     check_length("groups", request.groups, MAX_GROUPS)
+    check_length("eagle_groups", request.eagle_groups, MAX_GROUPS)
     layers = []
     for i, spec in enumerate(request.layers):
         for name in ("name", "dtype", "layout_tag"):
@@ -469,6 +483,7 @@ def decode_registration(body: bytes) -> WorkerRegistration:
                 num_blocks=spec.num_blocks,
                 strides=tuple(spec.strides),
                 memory=memory,
+                table=spec.table,
             )
         )
     return WorkerRegistration(
@@ -481,6 +496,7 @@ def decode_registration(body: bytes) -> WorkerRegistration:
         block_size=request.block_size,
         layers=tuple(layers),
         groups=tuple(_group(i, g) for i, g in enumerate(request.groups)),
+        eagle_groups=tuple(request.eagle_groups),
     )
 
 

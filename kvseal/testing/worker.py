@@ -43,15 +43,25 @@ def register_one_rank(
     session: Session | None = None,
     groups: Sequence[tuple[str, int, int]] = (),
     group_ids: Mapping[str, int] | None = None,
+    tables: Mapping[str, int] | None = None,
+    eagle_groups: Sequence[int] = (),
 ) -> Any:
     """Registers one rank whose layers are `layers` (name -> a [num_blocks, ...] view into `memory`, in layer order;
     default: one layer DEFAULT_LAYER that is the whole of memory.array) and returns the instance's status
     (pb.InstanceStatus from a client, kvseal.engine.engine.InstanceStatus in-process): sealed once the last rank
     registered, with its namespace_final and page_bytes. The worker's key is (instance_id, tp_rank, 0). `groups`:
-    the KV cache groups as (kind, block_size, span), `group_ids` a layer's group (default 0). An engine that refuses
-    raises the client's or the engine's kvseal.errors exception."""
+    the KV cache groups as (kind, block_size, span), `group_ids` a layer's group (default 0), `tables` which of its
+    group's block tables addresses a layer (default 0), `eagle_groups` the groups a drafter reads. An engine that
+    refuses raises the client's or the engine's kvseal.errors exception."""
     ids = dict(group_ids or {})
+    table_of = dict(tables or {})
     views = dict(layers) if layers is not None else {DEFAULT_LAYER: memory.array}
+
+    def _spec(name: str, array: np.ndarray) -> Any:
+        spec = layer_from_array(name, array, memory, layout_tag=layout_tag, dtype=dtype, group_id=ids.get(name, 0))
+        spec.table = table_of.get(name, 0)
+        return spec
+
     if isinstance(engine, EngineClient):
         return engine.register(
             instance_id=instance_id,
@@ -61,11 +71,9 @@ def register_one_rank(
             pp_rank=0,
             world_size=world_size,
             block_size=block_size,
-            layers=[
-                layer_from_array(name, array, memory, layout_tag=layout_tag, dtype=dtype, group_id=ids.get(name, 0))
-                for name, array in views.items()
-            ],
+            layers=[_spec(name, array) for name, array in views.items()],
             groups=groups,
+            eagle_groups=eagle_groups,
         )
     if session is None:
         raise TypeError("register_one_rank: an in-process Engine needs the session the worker registers in")
@@ -73,8 +81,16 @@ def register_one_rank(
         views, memory, instance_id, namespace, layout_tag, dtype, block_size, tp_rank, world_size
     )
     kv_groups = tuple(KvGroup(*g) for g in groups)
-    layers = tuple(replace(x, geometry=replace(x.geometry, group_id=ids.get(x.geometry.name, 0))) for x in reg.layers)
-    return engine.register(replace(reg, layers=layers, groups=kv_groups), session, [memory.fd])
+    layers = tuple(
+        replace(
+            x,
+            geometry=replace(x.geometry, group_id=ids.get(x.geometry.name, 0)),
+            table=table_of.get(x.geometry.name, 0),
+        )
+        for x in reg.layers
+    )
+    registration = replace(reg, layers=layers, groups=kv_groups, eagle_groups=tuple(eagle_groups))
+    return engine.register(registration, session, [memory.fd])
 
 
 def _worker_registration(

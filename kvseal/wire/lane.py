@@ -11,30 +11,40 @@ cannot frame (hashes of unequal lengths) goes there.
 Frames (little endian), one request then one response at a time per connection:
 
     request  = u32 body_len | u8 op | body          body_len <= the op's limit (FRAME_LIMITS), checked on the header
-      op 5 HELLO      u16 token_len | token          first frame when the engine has a token, else optional
-      op 6 REGISTER   a serialized kvseal.v1.RegisterRequest; the memfds travel as SCM_RIGHTS with the frame's
-                      first byte, and each ShmHandle.fd is an index into them
+      op 5 HELLO       u16 token_len | token          first frame when the engine has a token, else optional
+      op 6 REGISTER    a serialized kvseal.v1.RegisterRequest; the memfds travel as SCM_RIGHTS with the frame's
+                       first byte, and each ShmHandle.fd is an index into them
       every other body starts with   u16 id_len | instance_id (utf-8)
-      op 1 QUERY      ... | u32 lease_ttl_ms | u16 rid_len | request_id | hashes
-      op 2 RELEASE    ... | u64 lease_id
-      op 3 SAVE       ... | u32 tp_rank | u32 pp_rank | hashes | n x u32 block_id
-      op 4 LOAD       ... | u32 tp_rank | u32 pp_rank | u64 lease_id | hashes | n x u32 block_id
-      op 7 UNREGISTER ... | u32 tp_rank | u32 pp_rank
-      hashes        = u32 n | u8 hash_len | n x hash_len bytes        (one length for every hash of a request)
+      op 1 QUERY       ... | u32 lease_ttl_ms | u16 rid_len | request_id | hashes [| u32 limit_tokens]
+                       (limit_tokens: the longest hit wanted, in tokens; sent only when nonzero, absent reads 0)
+      op 2 RELEASE     ... | u64 lease_id
+      op 3 SAVE        ... | u32 tp_rank | u32 pp_rank | hashes | n x u32 block_id
+      op 4 LOAD        ... | u32 tp_rank | u32 pp_rank | u64 lease_id | hashes | n x u32 block_id
+      op 7 UNREGISTER  ... | u32 tp_rank | u32 pp_rank
+      op 8 SAVE_GROUPS ... | u32 tp_rank | u32 pp_rank | u8 n_runs | n_runs x run
+      op 9 LOAD_GROUPS ... | u32 tp_rank | u32 pp_rank | u64 lease_id | u8 n_runs | n_runs x run
+      hashes        = u32 n | u8 hash_len | n x hash_len bytes        (one length for every hash of a request;
+                                                                        in SAVE_GROUPS and LOAD_GROUPS, of a run)
+      run           = u8 group | hashes | u8 n_tables | n_tables x n x u32 block_id
+                      (one KV cache group's blocks, for hybrid models: 1..255 block tables, table-major, all n ids
+                      of table 0 first; over all runs, at most MAX_BLOCKS_PER_REQUEST hashes and as many block ids)
     response = u32 body_len | u8 code | body          code: 0 = OK, else a grpc.StatusCode value
-      OK HELLO        (empty)
-      OK REGISTER     a serialized kvseal.v1.InstanceStatus
-      OK QUERY        u32 hits | u64 lease_id | u32 lease_ttl_ms | u8 loading | u16 ns_len | namespace_final
-                      (loading: the engine is reading more of the prefix from SSD; ask again, hits is 0)
-      OK RELEASE      (empty)
-      OK SAVE         u32 written | u32 skipped | u32 not_stored | u32 completed | u16 ns_len | namespace_final
-      OK LOAD         u8 outcome (1 loaded, 2 missing, 3 refused) | u32 loaded | u16 len | reason | u16 len | message
-      OK UNREGISTER   u32 remaining_workers
-      error           utf-8 message
+      OK HELLO         (empty)
+      OK REGISTER      a serialized kvseal.v1.InstanceStatus
+      OK QUERY         u32 hits | u64 lease_id | u32 lease_ttl_ms | u8 loading | u16 ns_len | namespace_final
+                       (loading: the engine is reading more of the prefix from SSD; ask again, hits is 0)
+      OK RELEASE       (empty)
+      OK SAVE          u32 written | u32 skipped | u32 not_stored | u32 completed | u16 ns_len | namespace_final
+      OK LOAD          u8 outcome (1 loaded, 2 missing, 3 refused) | u32 loaded | u16 len | reason | u16 len | message
+      OK UNREGISTER    u32 remaining_workers
+      OK SAVE_GROUPS   as OK SAVE
+      OK LOAD_GROUPS   as OK LOAD
+      error            utf-8 message
 """
 
 from __future__ import annotations
 
+import re
 import struct
 import sys
 from array import array
@@ -57,6 +67,7 @@ from kvseal.limits import (
 from kvseal.sockets import StreamClosed, recv_exact
 
 OP_QUERY, OP_RELEASE, OP_SAVE, OP_LOAD, OP_HELLO, OP_REGISTER, OP_UNREGISTER = 1, 2, 3, 4, 5, 6, 7
+OP_SAVE_GROUPS, OP_LOAD_GROUPS = 8, 9
 OP_NAMES = {
     OP_QUERY: "Query",
     OP_RELEASE: "Release",
@@ -65,13 +76,19 @@ OP_NAMES = {
     OP_HELLO: "Hello",
     OP_REGISTER: "Register",
     OP_UNREGISTER: "Unregister",
+    OP_SAVE_GROUPS: "SaveGroups",
+    OP_LOAD_GROUPS: "LoadGroups",
 }
 OUTCOMES = {"loaded": 1, "missing": 2, "refused": 3}  # the values of kvseal.v1.LoadResponse.Outcome
 _BLOCKS_FRAME = 64 + 0xFFFF + MAX_BLOCKS_PER_REQUEST * (MAX_HASH_BYTES + 4)  # the largest valid Query/Save/Load
+_RUN_HEAD = 7  # a run's bytes besides its hashes and block ids: u8 group, u32 n, u8 hash_len, u8 n_tables
+_GROUPS_FRAME = _BLOCKS_FRAME + 255 * _RUN_HEAD  # the largest valid SaveGroups/LoadGroups (decoding checks the caps)
 FRAME_LIMITS = {  # bytes of body per op: a header announcing more is refused before any body is read
     OP_QUERY: _BLOCKS_FRAME,
     OP_SAVE: _BLOCKS_FRAME,
     OP_LOAD: _BLOCKS_FRAME,
+    OP_SAVE_GROUPS: _GROUPS_FRAME,
+    OP_LOAD_GROUPS: _GROUPS_FRAME,
     OP_RELEASE: 0xFFFF + 16,
     OP_UNREGISTER: 0xFFFF + 16,
     OP_HELLO: 0xFFFF + 2,
@@ -101,6 +118,7 @@ class QueryRequest:
     lease_ttl_ms: int
     hashes: list[bytes]
     request_id: str = ""
+    limit_tokens: int = 0  # the longest hit wanted, in tokens (0: every hash)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +143,29 @@ class LoadRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockRun:
+    """The blocks of one KV cache group in a SaveGroups or LoadGroups: `block_ids[t]` holds block table t's ids,
+    one per hash (a group may keep several block tables, each copied block by block)."""
+
+    group: int
+    hashes: list[bytes]
+    block_ids: list[list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveGroupsRequest:
+    worker: tuple[str, int, int]
+    runs: list[BlockRun]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadGroupsRequest:
+    worker: tuple[str, int, int]
+    lease_id: int
+    runs: list[BlockRun]
+
+
+@dataclass(frozen=True, slots=True)
 class UnregisterRequest:
     worker: tuple[str, int, int]
 
@@ -141,16 +182,30 @@ class RegisterRequest:
     body: bytes
 
 
-Request = QueryRequest | ReleaseRequest | SaveRequest | LoadRequest | UnregisterRequest | HelloRequest | RegisterRequest
+Request = (
+    QueryRequest
+    | ReleaseRequest
+    | SaveRequest
+    | LoadRequest
+    | SaveGroupsRequest
+    | LoadGroupsRequest
+    | UnregisterRequest
+    | HelloRequest
+    | RegisterRequest
+)
 
 # ---------------------------------------------------------------------------------------------- encoding
 
 
-def encode_query(instance_id: str, hashes: Sequence[bytes], lease_ttl_ms: int = 0, request_id: str = "") -> bytes:
+def encode_query(
+    instance_id: str, hashes: Sequence[bytes], lease_ttl_ms: int = 0, request_id: str = "", limit_tokens: int = 0
+) -> bytes:
     rid = request_id.encode()
     if len(rid) > 0xFFFF:
         raise Unframeable("request_id is longer than 65535 bytes")
     body = _ident(instance_id) + _pack("<IH", lease_ttl_ms, len(rid)) + rid + _hashes(hashes)
+    if limit_tokens:
+        body += _pack("<I", limit_tokens)
     return _frame(OP_QUERY, body)
 
 
@@ -168,6 +223,16 @@ def encode_load(
 ) -> bytes:
     head = _ident(worker[0]) + _pack("<IIQ", worker[1], worker[2], lease_id)
     return _frame(OP_LOAD, head + _hashes(hashes) + _block_ids(block_ids, len(hashes)))
+
+
+def encode_save_groups(worker: tuple[str, int, int], runs: Sequence[BlockRun]) -> bytes:
+    head = _ident(worker[0]) + _pack("<II", worker[1], worker[2])
+    return _frame(OP_SAVE_GROUPS, head + _runs(runs))
+
+
+def encode_load_groups(worker: tuple[str, int, int], runs: Sequence[BlockRun], lease_id: int = 0) -> bytes:
+    head = _ident(worker[0]) + _pack("<IIQ", worker[1], worker[2], lease_id)
+    return _frame(OP_LOAD_GROUPS, head + _runs(runs))
 
 
 def encode_unregister(worker: tuple[str, int, int]) -> bytes:
@@ -215,9 +280,21 @@ def _hashes(hashes: Sequence[bytes]) -> bytes:
     return _COUNT.pack(len(hashes), size) + b"".join(hashes)
 
 
-def _block_ids(block_ids: Sequence[int], n: int) -> bytes:
+def _runs(runs: Sequence[BlockRun]) -> bytes:
+    if len(runs) > 255:
+        raise Unframeable(f"the lane carries at most 255 runs, not {len(runs)}")
+    parts = [struct.pack("<B", len(runs))]
+    for i, run in enumerate(runs):
+        if not 0 < len(run.block_ids) < 256:
+            raise Unframeable(f"runs[{i}] has {len(run.block_ids)} block tables; the lane carries 1..255")
+        parts += [_pack("<B", run.group), _hashes(run.hashes), struct.pack("<B", len(run.block_ids))]
+        parts += [_block_ids(ids, len(run.hashes), f"runs[{i}].block_ids[{t}]") for t, ids in enumerate(run.block_ids)]
+    return b"".join(parts)
+
+
+def _block_ids(block_ids: Sequence[int], n: int, field: str = "block_ids") -> bytes:
     if len(block_ids) != n:
-        raise Unframeable("block_ids and block_hashes differ in length")  # the engine's error comes from gRPC
+        raise Unframeable(f"{field} and block_hashes differ in length")  # the engine's error comes from gRPC
     try:
         ids = array("I", block_ids)  # C unsigned int: 32 bits on every platform kvseal runs on
     except (OverflowError, TypeError):
@@ -259,26 +336,36 @@ def decode_request(op: int, body: bytes) -> Request:
             check_length("request_id", body[pos : pos + rid_len], MAX_REQUEST_ID_CHARS)
             request_id = body[pos : pos + rid_len].decode()
             hashes, pos = _read_hashes(body, pos + rid_len)
+            limit_tokens = 0
+            if len(body) - pos == 4:  # the optional limit; any other length is trailing bytes
+                (limit_tokens,) = struct.unpack_from("<I", body, pos)
+                pos += 4
             _end(body, pos, op)
-            return QueryRequest(instance_id, ttl, hashes, request_id)
-        if op not in (OP_SAVE, OP_LOAD, OP_UNREGISTER):
+            return QueryRequest(instance_id, ttl, hashes, request_id, limit_tokens)
+        if op not in (OP_SAVE, OP_LOAD, OP_UNREGISTER, OP_SAVE_GROUPS, OP_LOAD_GROUPS):
             raise InvalidArgument(f"unknown op {op}")
         tp_rank, pp_rank = _RANKS.unpack_from(body, pos)
         pos += _RANKS.size
         if op == OP_UNREGISTER:
             _end(body, pos, op)
             return UnregisterRequest((instance_id, tp_rank, pp_rank))
+        worker = (instance_id, tp_rank, pp_rank)
         lease_id = 0
-        if op == OP_LOAD:
+        if op in (OP_LOAD, OP_LOAD_GROUPS):
             (lease_id,) = struct.unpack_from("<Q", body, pos)
             pos += 8
+        if op in (OP_SAVE_GROUPS, OP_LOAD_GROUPS):
+            runs, pos = _read_runs(body, pos)
+            _end(body, pos, op)
+            if op == OP_SAVE_GROUPS:
+                return SaveGroupsRequest(worker, runs)
+            return LoadGroupsRequest(worker, lease_id, runs)
         hashes, pos = _read_hashes(body, pos)
         end = pos + 4 * len(hashes)
         if end > len(body):
             raise InvalidArgument("block_ids run past the end of the frame")
         block_ids = np.frombuffer(body, _BLOCK_ID, len(hashes), pos).tolist()
         _end(body, end, op)
-        worker = (instance_id, tp_rank, pp_rank)
         if op == OP_SAVE:
             return SaveRequest(worker, hashes, block_ids)
         return LoadRequest(worker, lease_id, hashes, block_ids)
@@ -329,14 +416,44 @@ def _varint(body: bytes, pos: int) -> tuple[int, int]:
             raise InvalidArgument("RegisterRequest: varint longer than 10 bytes")
 
 
-def _read_hashes(body: bytes, pos: int) -> tuple[list[bytes], int]:
+def _read_runs(body: bytes, pos: int) -> tuple[list[BlockRun], int]:
+    """The runs of a SaveGroups or LoadGroups, from u8 n_runs on; the caps on hashes and block ids hold over all
+    runs together, and are checked before the bytes they announce are read."""
+    (n_runs,) = struct.unpack_from("<B", body, pos)
+    pos += 1
+    runs: list[BlockRun] = []
+    total_hashes = total_ids = 0
+    for i in range(n_runs):
+        (group,) = struct.unpack_from("<B", body, pos)
+        hashes, pos = _read_hashes(body, pos + 1, total_hashes)
+        n = len(hashes)
+        total_hashes += n
+        (n_tables,) = struct.unpack_from("<B", body, pos)
+        pos += 1
+        if n_tables == 0:
+            raise InvalidArgument(f"runs[{i}].n_tables is 0; a run has 1..255 block tables")
+        total_ids += n * n_tables
+        if total_ids > MAX_BLOCKS_PER_REQUEST:
+            raise InvalidArgument(f"block_ids has {total_ids} entries over all runs; at most {MAX_BLOCKS_PER_REQUEST}")
+        end = pos + 4 * n * n_tables
+        if end > len(body):
+            raise InvalidArgument(f"runs[{i}].block_ids run past the end of the frame")
+        ids = np.frombuffer(body, _BLOCK_ID, n * n_tables, pos).reshape(n_tables, n).tolist()
+        runs.append(BlockRun(group, hashes, ids))
+        pos = end
+    return runs, pos
+
+
+def _read_hashes(body: bytes, pos: int, before: int = 0) -> tuple[list[bytes], int]:
+    """`before`: hashes the request carried before these (earlier runs), counted against the cap."""
     n, size = _COUNT.unpack_from(body, pos)
     pos += _COUNT.size
     end = pos + n * size
     if n == 0:
         return [], pos
-    if n > MAX_BLOCKS_PER_REQUEST:
-        raise InvalidArgument(f"block_hashes has {n} entries; at most {MAX_BLOCKS_PER_REQUEST}")
+    if before + n > MAX_BLOCKS_PER_REQUEST:
+        over = " over all runs" if before else ""
+        raise InvalidArgument(f"block_hashes has {before + n} entries{over}; at most {MAX_BLOCKS_PER_REQUEST}")
     if size == 0:
         raise InvalidArgument("block_hashes: hash_len is 0")
     if end > len(body):
@@ -346,7 +463,8 @@ def _read_hashes(body: bytes, pos: int) -> tuple[list[bytes], int]:
 
 def _end(body: bytes, pos: int, op: int) -> None:
     if pos != len(body):
-        raise InvalidArgument(f"{OP_NAMES[op].upper()} frame has trailing bytes")
+        name = re.sub(r"(?<=[a-z])(?=[A-Z])", "_", OP_NAMES[op]).upper()  # as the module docstring: SAVE_GROUPS
+        raise InvalidArgument(f"{name} frame has trailing bytes")
 
 
 # ---------------------------------------------------------------------------------------------- responses

@@ -1,0 +1,175 @@
+"""A hybrid instance in-process (no server): each KV cache group's blocks are pages of their own, saved and loaded
+through per-group runs with a block table per merged vLLM group, and one Query answers the hybrid hit.
+
+The property: whatever blocks of each group are stored, the Query's hit is exactly kvseal.core.hybrid's rule over
+what is present (itself checked against vLLM's coordinator in test_hybrid_oracle.py), the lease holds exactly the
+pages that hit needs, and loading them through other block ids gives back every layer's bytes as saved."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvseal.core.hybrid import hybrid_hit, needed_blocks
+from kvseal.core.layout import KvGroup
+from kvseal.engine.engine import Caller, Engine, Session
+from kvseal.errors import InvalidArgument
+from kvseal.memfd import SharedArray
+from kvseal.testing import register_one_rank
+
+SLOT = 256
+BLOCKS = 64  # per layer
+STEP = 4  # tokens per hash (the registration's block_size)
+SESSION = Session(Caller(uid=os.getuid(), pid=os.getpid(), privileged=True))
+WORKER = ("h", 0, 0)
+# layer -> (group, table): group 1 merges two vLLM groups of one spec, each addressing its blocks by its own ids
+LAYERS = {"a.full": (0, 0), "b.window0": (1, 0), "b.window1": (1, 1), "c.state": (2, 0)}
+
+GROUP_KINDS = st.tuples(
+    st.sampled_from([KvGroup("full", 4), KvGroup("full", 8)]),
+    st.sampled_from([KvGroup("sliding", 4, 9), KvGroup("sliding", 8, 5), KvGroup("chunked", 4, 8)]),
+    st.sampled_from([KvGroup("mamba", 4), KvGroup("mamba", 8)]),
+)
+
+
+class Hybrid:
+    def __init__(self, groups: tuple[KvGroup, ...], eagle: tuple[int, ...] = ()) -> None:
+        self.groups = groups
+        self.shared = SharedArray((len(LAYERS) * BLOCKS, SLOT))
+        self.memory = self.shared.array
+        self.views = {name: self.memory[i * BLOCKS : (i + 1) * BLOCKS] for i, name in enumerate(LAYERS)}
+        self.engine = Engine(16 << 20, slab_bytes=1 << 20)
+        status = register_one_rank(
+            self.engine,
+            "h",
+            self.shared,
+            self.views,
+            namespace="hybrid",
+            layout_tag="test",
+            dtype="uint8",
+            block_size=STEP,
+            session=SESSION,
+            groups=[(g.kind, g.block_size, g.span) for g in groups],
+            group_ids={name: group for name, (group, _) in LAYERS.items()},
+            tables={name: table for name, (_, table) in LAYERS.items()},
+            eagle_groups=eagle,
+        )
+        assert status.sealed
+        self.namespace_final = status.namespace_final
+
+    def close(self) -> None:
+        self.shared.close()
+
+    def layers_of(self, group: int) -> list[tuple[str, int]]:
+        return [(name, table) for name, (g, table) in LAYERS.items() if g == group]
+
+    def tables(self, group: int) -> int:
+        return 1 + max(table for _, table in self.layers_of(group))
+
+
+@pytest.fixture
+def hybrid() -> Iterator[Hybrid]:
+    h = Hybrid((KvGroup("full", 4), KvGroup("sliding", 4, 9), KvGroup("mamba", 8)))
+    yield h
+    h.close()
+
+
+def prompt(n: int, salt: int = 0) -> list[bytes]:
+    return [(salt << 32 | i).to_bytes(32, "big") for i in range(n)]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kinds=GROUP_KINDS, data=st.data())
+def test_the_query_hits_what_the_hybrid_rule_says_and_loads_give_back_every_layer(
+    kinds: tuple[KvGroup, ...], data: st.DataObject
+) -> None:
+    eagle = data.draw(st.sampled_from([(), (0,)]))
+    h = Hybrid(kinds, eagle)
+    try:
+        rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+        h.memory[:] = rng.integers(0, 256, h.memory.shape, dtype=np.uint8)
+        n = data.draw(st.integers(1, 12))
+        hs = prompt(n)
+        present, runs, saved = [], [], {}
+        for group, kind in enumerate(kinds):
+            k = kind.block_size // STEP
+            stored = data.draw(st.lists(st.booleans(), min_size=n // k, max_size=n // k))
+            blocks = [i for i, s in enumerate(stored) if s]
+            ids = [rng.choice(BLOCKS, len(blocks), replace=False).tolist() for _ in range(h.tables(group))]
+            runs.append((group, [hs[(i + 1) * k - 1] for i in blocks], ids))
+            for name, table in h.layers_of(group):
+                for i, block_id in zip(blocks, ids[table], strict=True):
+                    saved[name, i] = h.views[name][block_id].copy()
+            present.append(stored)
+        r = h.engine.save_groups(WORKER, runs, SESSION)
+        assert r.completed == sum(len(run[1]) for run in runs)
+
+        limit = data.draw(st.integers(0, n * STEP))
+        q = h.engine.query("h", hs, SESSION.caller, max_tokens=limit)
+        tokens = hybrid_hit(kinds, present, limit or n * STEP, eagle)
+        assert q.hits == tokens // STEP
+        needed = [needed_blocks(kind, tokens) for kind in kinds]
+        lease = h.engine.store.lease(q.lease_id)
+        assert (len(lease.pages) if lease else 0) == sum(map(len, needed))
+
+        h.memory[:] = 0
+        loads = []
+        for group, kind in enumerate(kinds):
+            k = kind.block_size // STEP
+            ids = [rng.choice(BLOCKS, len(needed[group]), replace=False).tolist() for _ in range(h.tables(group))]
+            loads.append((group, [hs[(i + 1) * k - 1] for i in needed[group]], ids))
+        loaded = h.engine.load_groups(WORKER, loads, SESSION, q.lease_id)
+        assert (loaded.outcome, loaded.loaded) == ("loaded", sum(map(len, needed)))
+        for group, _, ids in loads:
+            for name, table in h.layers_of(group):
+                for i, block_id in zip(needed[group], ids[table], strict=True):
+                    assert np.array_equal(h.views[name][block_id], saved[name, i]), (name, i)
+        assert h.engine.store.lease(q.lease_id) is None  # its one share was loaded
+        h.engine.store.check_invariants()
+    finally:
+        h.close()
+
+
+def test_each_group_is_its_own_namespace_of_pages_of_its_own_layers(hybrid: Hybrid) -> None:
+    names = {ns["namespace"]: ns for ns in hybrid.engine.namespaces()}
+    for group in range(3):
+        part = names[f"{hybrid.namespace_final}/g{group}"]
+        assert part["page_bytes"] == SLOT * len(hybrid.layers_of(group))
+
+
+def test_runs_that_do_not_fit_the_instance_are_refused_naming_what(hybrid: Hybrid) -> None:
+    hs = prompt(2)
+    with pytest.raises(InvalidArgument, match="group 1 needs 2 block tables"):
+        hybrid.engine.save_groups(WORKER, [(1, hs, [[0, 1]])], SESSION)
+    with pytest.raises(InvalidArgument, match="group 3 names no KV cache group: the instance has 3"):
+        hybrid.engine.save_groups(WORKER, [(3, hs, [[0, 1]])], SESSION)
+    with pytest.raises(InvalidArgument, match=r"runs\[0\].block_ids\[1\] has 1 entries but block_hashes has 2"):
+        hybrid.engine.save_groups(WORKER, [(1, hs, [[0, 1], [2]])], SESSION)
+    with pytest.raises(InvalidArgument, match="block_ids.* out of range"):
+        hybrid.engine.load_groups(WORKER, [(0, hs, [[0, BLOCKS]])], SESSION)
+    hybrid.engine.save(WORKER, hs, [0, 1], SESSION)  # a one-table Save is group 0's: fine, it has one table
+    assert hybrid.engine.store.statistics().resident_blocks == 2  # group 0's two blocks, nothing else
+    hybrid.engine.store.check_invariants()
+
+
+def test_a_load_stops_at_the_first_group_missing_a_block_and_still_ends_the_lease(hybrid: Hybrid) -> None:
+    hs = prompt(4)
+    hybrid.engine.save_groups(
+        WORKER, [(0, hs, [[0, 1, 2, 3]]), (1, hs[2:4], [[4, 5], [6, 7]]), (2, [hs[3]], [[8]])], SESSION
+    )
+    q = hybrid.engine.query("h", hs, SESSION.caller)
+    assert q.hits == 4
+    r = hybrid.engine.load_groups(
+        WORKER,
+        [(0, hs, [[0, 1, 2, 3]]), (1, hs[1:4], [[4, 5, 9], [6, 7, 10]]), (2, [hs[3]], [[8]])],
+        SESSION,
+        q.lease_id,
+    )
+    assert (r.outcome, r.loaded) == ("missing", 4)  # group 0's four; group 1's first block (hash 1) was never saved
+    assert hybrid.engine.store.lease(q.lease_id) is None
+    hybrid.engine.store.check_invariants()
