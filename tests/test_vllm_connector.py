@@ -95,42 +95,48 @@ def _one_group(v: types.SimpleNamespace, **group: Any) -> Any:
 # ---------------------------------------------------------------- KV cache groups
 
 
-def test_vllm_groups_and_the_connector_refuses_more_than_one(v: types.SimpleNamespace) -> None:
+def test_several_groups_of_one_rule_are_one_kvseal_group_with_a_block_table_each(v: types.SimpleNamespace) -> None:
+    from kvseal.core.layout import KvGroup
+
     config = _vllm_config(v)
-    # the connector has no SupportsHMA, so vLLM turned its hybrid KV cache manager off
-    assert config.scheduler_config.disable_hybrid_kv_cache_manager is True
+    # the connector declares SupportsHMA: vLLM keeps its hybrid KV cache manager on
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is False
 
     # target layers DCP-sharded (the default), a draft layer replicated (a draft at DCP 1 under a DCP target):
-    # vLLM's own grouping, with the hybrid manager off, still gives several groups
+    # groups of full attention (one layer each: vLLM's hybrid manager sizes groups alike), each with its block
+    # table; kvseal stores them as one group (format 1: a page's bytes are what they would be with one group) and
+    # addresses each layer through its own table
     specs = {
         "model.layers.0.self_attn.attn": _attention(v),
         "model.layers.1.self_attn.attn": _attention(v),
         "draft.layers.0.self_attn.attn": _attention(v, dcp_sharded=False),
     }
     groups = v.get_kv_cache_groups(config, dict(specs))
-    assert len(groups) > 1
-    kv_cache_config = _kv_cache_config(groups, v)
-
-    for role in (v.KVConnectorRole.SCHEDULER, v.KVConnectorRole.WORKER):
-        with pytest.raises(ValueError) as refused:
-            v.connector.KVSealConnector(config, role, kv_cache_config)
-        message = str(refused.value)
-        assert message.startswith(f"kvseal supports one KV cache group; this model has {len(groups)} (group 0: ")
-        for i, group in enumerate(groups):
-            assert f"group {i}: {type(group.kv_cache_spec).__name__}, {len(group.layer_names)} layers" in message
-        assert "draft.layers.0.self_attn.attn" in message
-        assert "drop --kv-transfer-config" in message
+    assert len(groups) == 3
+    stored = v.compat.stored_groups(config, _kv_cache_config(groups, v))
+    assert (stored.groups, stored.hash_block_size) == ((KvGroup("full", BLOCK),), BLOCK)
+    assert stored.places == ((0, 0), (0, 1), (0, 2)) and stored.tables(0) == [0, 1, 2] and stored.hybrid
+    v.connector.KVSealConnector(config, v.KVConnectorRole.SCHEDULER, _kv_cache_config(groups, v)).shutdown()
 
 
-def test_sliding_window_layers_merge_into_the_one_group_it_accepts(v: types.SimpleNamespace) -> None:
+def test_sliding_window_and_full_layers_stay_apart_and_alike_groups_merge(v: types.SimpleNamespace) -> None:
+    from kvseal.core.layout import KvGroup
+
     config = _vllm_config(v)
     window = v.SlidingWindowSpec(
         block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=v.torch.float32, sliding_window=4 * BLOCK
     )
-    specs = {f"model.layers.{i}.self_attn.attn": _attention(v) if i % 2 else window for i in range(4)}
-    [group] = v.get_kv_cache_groups(config, dict(specs))  # unify_hybrid_kv_cache_specs: all full attention
-    assert sorted(group.layer_names) == sorted(specs)
-    connector = v.connector.KVSealConnector(config, v.KVConnectorRole.SCHEDULER, _kv_cache_config([group], v))
+    specs = {f"model.layers.{i}.self_attn.attn": _attention(v) if i == 5 else window for i in range(6)}
+    groups = v.get_kv_cache_groups(config, dict(specs))  # vLLM's hybrid manager: groups of equal size
+    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+    assert kinds.count("SlidingWindowSpec") > 1 and kinds.count("FullAttentionSpec") == 1
+    stored = v.compat.stored_groups(config, _kv_cache_config(groups, v))
+    sliding = KvGroup("sliding", BLOCK, 4 * BLOCK)
+    assert set(stored.groups) == {KvGroup("full", BLOCK), sliding} and len(stored.groups) == 2
+    g = stored.groups.index(sliding)
+    assert [i for i, k in enumerate(kinds) if k == "SlidingWindowSpec"] == stored.tables(g)
+    assert [stored.places[i] for i in stored.tables(g)] == [(g, t) for t in range(kinds.count("SlidingWindowSpec"))]
+    connector = v.connector.KVSealConnector(config, v.KVConnectorRole.SCHEDULER, _kv_cache_config(groups, v))
     connector.shutdown()
 
 
@@ -623,7 +629,7 @@ def test_scheduler_side_claims_loads_saves_and_releases_what_it_does_not_use(v: 
     ]
     assert (meta.save_hashes, meta.save_block_ids) == (hashes[3:5], [10, 11])  # the blocks it computed
     assert side.build_connector_meta(_step()).loads == []  # handed over once
-    assert side.request_finished(a, blocks) == (False, None)
+    assert side.request_finished(a) == (False, None)
     assert engine.released == [1]  # the load's lease is the worker's to end
 
     b = request("b")
@@ -632,7 +638,7 @@ def test_scheduler_side_claims_loads_saves_and_releases_what_it_does_not_use(v: 
     assert engine.released == [1, 3]
     c = request("c")
     assert side.get_num_new_matched_tokens(c, 0)[0] == 3 * BLOCK
-    side.request_finished(c, [])  # finished (aborted) before its blocks were allocated: its lease ends
+    side.request_finished(c)  # finished (aborted) before its blocks were allocated: its lease ends
     assert engine.released == [1, 3, 4]
     assert side._requests.keys() == {"b"}
     side.build_connector_meta(_step(finished={"b"}))

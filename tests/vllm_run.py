@@ -101,8 +101,9 @@ def main() -> None:
 
 
 def record_block_ids() -> dict[str, list[int]]:
-    """Records the block ids every EngineClient.load / save of this process hands the engine (the worker-side
-    connector runs in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0), then makes the real call."""
+    """Records the block ids every EngineClient.load / save (load_groups / save_groups: every table's) of this
+    process hands the engine (the worker-side connector runs in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0),
+    then makes the real call."""
     from kvseal.client import EngineClient
 
     seen: dict[str, list[int]] = {"load": [], "save": []}
@@ -114,6 +115,14 @@ def record_block_ids() -> dict[str, list[int]]:
             return _real(self, worker, hashes, block_ids, *rest, **kw)
 
         setattr(EngineClient, name, wrapped)
+    for name, kind in (("save_groups", "save"), ("load_groups", "load")):  # a hybrid instance's: every table's ids
+        real = getattr(EngineClient, name)
+
+        def wrapped_runs(self, worker, runs, *rest, _real=real, _ids=seen[kind], **kw):  # type: ignore[no-untyped-def]
+            _ids.extend(i for run in runs for ids in run.block_ids for i in ids)
+            return _real(self, worker, runs, *rest, **kw)
+
+        setattr(EngineClient, name, wrapped_runs)
     return seen
 
 

@@ -375,6 +375,8 @@ class Engine:
             ttl_s = min(lease_ttl_ms / 1000, cap_s) if lease_ttl_ms else cap_s
             if _is_hybrid(sealed):
                 return self._hybrid_query(inst, sealed, hashes, max_tokens, ttl_s)
+            if max_tokens:
+                hashes = hashes[: max_tokens // sealed.layout.block_size]
             result = self.store.query(
                 inst.ns_id, sealed.layout, hashes, owner=instance_id, shares=len(inst.workers), ttl_s=ttl_s
             )

@@ -1,7 +1,8 @@
 """What the connector mirrors of vLLM, and what it accepts of it: the connector's extra config, parsed once into a
 frozen `KVSealConfig`; the checks that refuse at construction what kvseal cannot serve (seeded block hashing,
-several KV cache groups, KV that is not prefix-cacheable attention); and vLLM's own rules the connector follows
-(its null block, the KV planes of a layer's tensor, the drafter's block of a prefix hit), each naming the vLLM
+KV that is not prefix-cacheable attention); and vLLM's own rules the connector follows
+(its null block, the KV planes of a layer's tensor, the drafter's block of a prefix hit, how its KV cache groups
+are stored), each naming the vLLM
 version and code it mirrors.
 
 Pure functions over vLLM's config objects: no engine, no I/O.
@@ -121,40 +122,54 @@ def check_hashing_is_deterministic(vllm_config: VllmConfig) -> None:
         )
 
 
-def check_one_kv_cache_group(kv_cache_config: KVCacheConfig) -> None:
-    """kvseal keys a block by one hash and saves and loads one block id per hash for all of a worker's layers: that
-    is one block table, vLLM's single KV cache group.
-
-    Whether vLLM hands a connector more than one (vLLM 0.32): a connector without `SupportsHMA` (this one) turns
-    the hybrid KV cache manager off (`VllmConfig.__post_init__` sets `disable_hybrid_kv_cache_manager`;
-    `KVConnectorFactory.create_connector` refuses an explicit `--no-disable-hybrid-kv-cache-manager`). Then
-    `kv_cache_utils.get_kv_cache_groups` first calls `unify_hybrid_kv_cache_specs`, which promotes sliding-window and
-    chunked-local attention to full attention and raises for what it cannot unify (attention beside Mamba state:
-    "Failed to promote local KV cache specs"). But it unifies two buckets separately, replicated attention
-    (`dcp_sharded=False`, e.g. a draft model at DCP 1 under a DCP target, `gpu/model_runner.get_kv_cache_spec`) and
-    the rest; when both exist the specs stay mixed and `_get_packed_kv_cache_groups` /
-    `_get_kv_cache_groups_uniform_page_size` return several groups, which vLLM checks only when a request finishes
-    (`Scheduler._connector_finished` asserts one group for a connector without SupportsHMA). So refuse at
-    construction, naming the groups, rather than save and load group 0's block ids for every layer."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) == 1:
-        return
-    if not groups:
+def check_some_kv_cache(kv_cache_config: KVCacheConfig) -> None:
+    """An attention-free model has no KV cache group: nothing to share."""
+    if not kv_cache_config.kv_cache_groups:
         raise ValueError(
-            "kvseal supports one KV cache group; this model has none (it is attention-free: no KV cache to "
-            "share). Run it without kvseal (drop --kv-transfer-config)."
+            "kvseal shares KV cache blocks; this model has none (it is attention-free). Run it without kvseal (drop "
+            "--kv-transfer-config)."
         )
-    described = "; ".join(
-        f"group {i}: {type(g.kv_cache_spec).__name__}, {len(g.layer_names)} layers ({_names(g.layer_names)})"
-        for i, g in enumerate(groups)
-    )
-    raise ValueError(
-        f"kvseal supports one KV cache group; this model has {len(groups)} ({described}). vLLM gives each group "
-        "its own block table, while kvseal saves and loads one block id per hash for all of a worker's layers. "
-        "vLLM already merged what it could (kvseal turns the hybrid KV cache manager off). Give every layer one KV "
-        "cache spec (e.g. the same decode-context-parallel sharding for draft and target layers), or run this "
-        "model without kvseal (drop --kv-transfer-config)."
-    )
+
+
+@dataclass(frozen=True, slots=True)
+class StoredGroups:
+    """How an instance's KV cache groups are registered with the engine. vLLM gives each of its groups a block table;
+    groups with one hit rule (the same KvGroup: e.g. Gemma 3's several sliding-window groups) are one kvseal group,
+    whose pages hold all their layers, each layer addressed through its own vLLM group's block ids (its `table`).
+
+    `hybrid`: anything but one vLLM group of full attention at the hash's block size. Such an instance registers its
+    groups (layout format 2 unless they are one full-attention group), queries the hybrid hit (the engine applies
+    the drafter's drop) and saves and loads per group; the other keeps format 1 and the prefix path, unchanged."""
+
+    hash_block_size: int  # tokens per entry of Request.block_hashes: the registration's block_size
+    groups: tuple[KvGroup, ...]  # kvseal's, in order of first appearance among vLLM's
+    places: tuple[tuple[int, int], ...]  # per vLLM group: (kvseal group, table)
+    eagle: tuple[int, ...]  # kvseal groups a drafter reads
+
+    @property
+    def hybrid(self) -> bool:
+        return len(self.places) > 1 or self.groups != (KvGroup("full", self.hash_block_size),)
+
+    def tables(self, group: int) -> list[int]:
+        """The vLLM groups merged into kvseal group `group`, in table order."""
+        return [i for i, (g, _) in enumerate(self.places) if g == group]
+
+
+def stored_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> StoredGroups:
+    """vLLM's groups (kv_groups) merged by hit rule; the hash block size as vLLM 0.32 resolves it
+    (`kv_cache_utils.resolve_kv_cache_block_sizes`: the GCD of the groups' block sizes with several)."""
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    _, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    groups: list[KvGroup] = []
+    places = []
+    for kind in kv_groups(kv_cache_config):
+        if kind not in groups:
+            groups.append(kind)
+        g = groups.index(kind)
+        places.append((g, sum(1 for other, _ in places if other == g)))
+    eagle = sorted({places[i][0] for i in eagle_groups(vllm_config, kv_cache_config)})
+    return StoredGroups(hash_block_size, tuple(groups), tuple(places), tuple(eagle))
 
 
 def check_attention_kv_cache(kv_cache_config: KVCacheConfig) -> None:

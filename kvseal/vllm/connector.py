@@ -33,7 +33,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
 
 from kvseal.client import EngineClient
 from kvseal.vllm.compat import (
@@ -45,7 +50,7 @@ from kvseal.vllm.compat import (
     KVSealConfig,
     check_attention_kv_cache,
     check_hashing_is_deterministic,
-    check_one_kv_cache_group,
+    check_some_kv_cache,
     claimable_blocks,
     drops_last_hit_block,
     splits_kv,
@@ -83,7 +88,7 @@ __all__ = [  # what kvseal.vllm.connector offered before it was split: kept impo
     "LoadJob",
     "check_attention_kv_cache",
     "check_hashing_is_deterministic",
-    "check_one_kv_cache_group",
+    "check_some_kv_cache",
     "claimable_blocks",
     "drops_last_hit_block",
     "splits_kv",
@@ -91,7 +96,7 @@ __all__ = [  # what kvseal.vllm.connector offered before it was split: kept impo
 ]
 
 
-class KVSealConnector(KVConnectorBase_V1):
+class KVSealConnector(KVConnectorBase_V1, SupportsHMA):
     """Refuses at construction a config or KV cache kvseal cannot serve (kvseal.vllm.compat); then builds the side
     of its role and delegates: scheduler calls to a SchedulerSide, worker calls to a WorkerSide. A call of the other
     role's (which vLLM never makes) raises RuntimeError. `config`, `client` and `outage` are the side's own."""
@@ -99,7 +104,7 @@ class KVSealConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_hashing_is_deterministic(vllm_config)
-        check_one_kv_cache_group(kv_cache_config)
+        check_some_kv_cache(kv_cache_config)
         check_attention_kv_cache(kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # KVConnectorBase_V1 refuses a config without one
@@ -116,7 +121,7 @@ class KVSealConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler_side = SchedulerSide(vllm_config, kv_cache_config, self.config, self.client, self.outage)
         else:
-            self._worker_side = WorkerSide(vllm_config, self.config, self.client, self.outage)
+            self._worker_side = WorkerSide(vllm_config, kv_cache_config, self.config, self.client, self.outage)
 
     @property
     def _scheduler(self) -> SchedulerSide:
@@ -150,7 +155,12 @@ class KVSealConnector(KVConnectorBase_V1):
         self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.request_finished(request, block_ids)
+        return self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request)
 
     # ================================================================ worker side
 
@@ -172,7 +182,12 @@ class KVSealConnector(KVConnectorBase_V1):
         self._worker.wait_for_save(self._metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._worker.get_finished()
+        done, _ = self._worker.get_finished()
+        return None, done or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        done, failed = self._worker.get_finished()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()

@@ -1,11 +1,15 @@
 """What the scheduler side hands every worker each step (vLLM pickles it across the process boundary): the loads
-to run at the step's start and the full blocks to save at its end."""
+to run at the step's start and the full blocks to save at its end. A hybrid instance (several KV cache groups)
+moves its blocks as runs, one per kvseal group (kvseal.wire.lane.BlockRun); the others as one list of hashes and
+block ids."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvseal.wire.lane import BlockRun
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,6 +19,7 @@ class LoadJob:
     block_ids: list[int]
     lease_id: int
     sync: bool  # loaded in the step that schedules the request (vLLM's load_kv_async False): not reported finished
+    runs: list[BlockRun] = field(default_factory=list)  # a hybrid instance's blocks (hashes and block_ids empty)
 
 
 @dataclass
@@ -22,3 +27,4 @@ class KVSealConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     save_hashes: list[bytes] = field(default_factory=list)
     save_block_ids: list[int] = field(default_factory=list)
+    save_runs: list[BlockRun] = field(default_factory=list)  # a hybrid instance's saves

@@ -34,8 +34,16 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.request import RequestStatus
 
 from kvseal.errors import KvsealError
-from kvseal.vllm.compat import claimable_blocks, drops_last_hit_block, instance_id_of, without_null_blocks
+from kvseal.vllm.compat import (
+    NULL_BLOCK_ID,
+    claimable_blocks,
+    drops_last_hit_block,
+    instance_id_of,
+    stored_groups,
+    without_null_blocks,
+)
 from kvseal.vllm.metadata import KVSealConnectorMetadata, LoadJob
+from kvseal.wire.lane import BlockRun
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -57,8 +65,8 @@ PD_WAIT_S = 3.0  # how long a decode request waits for the prefill's blocks to r
 class _Claim:
     """Engine hits claimed for a request, pinned by the engine's lease until vLLM allocates their blocks."""
 
-    start: int  # first block index the lease covers
-    hits: int  # blocks claimed (at most the engine's hits)
+    start: int  # first block index the lease covers (hybrid: vLLM's own hit, in hash blocks)
+    hits: int  # blocks claimed (at most the engine's hits; hybrid: hash blocks after `start`)
     lease_id: int
     sync: bool  # loaded in the step that schedules the request
 
@@ -71,6 +79,8 @@ class _Request:
     claim: _Claim | None = None  # claimed, not yet allocated
     block_ids: list[int] | None = None  # its blocks once scheduled (None before: no saves planned)
     saved: int = 0  # leading blocks known to be in the engine
+    group_block_ids: list[list[int]] | None = None  # hybrid: its blocks per vLLM group once scheduled
+    saved_tokens: int = 0  # hybrid: leading tokens whose full blocks (of every group) were saved or loaded
     hold: dict[str, Any] | None = None  # decode: the prefill's hold, to end once loaded
     waiting_since: float | None = None  # decode: when it first waited for the prefill's blocks
 
@@ -83,8 +93,14 @@ def _prefill_params(request: Request) -> dict[str, Any] | None:
 
 
 class SchedulerSide:
-    """The caller (KVSealConnector) guarantees one KV cache group of prefix-cacheable attention (kvseal.vllm.compat
-    checks it at construction). Engine calls fail soft and are paced by `outage`."""
+    """The caller (KVSealConnector) guarantees KV cache groups of prefix-cacheable attention (kvseal.vllm.compat
+    checks it at construction). Engine calls fail soft and are paced by `outage`.
+
+    A hybrid instance (kvseal.vllm.compat.StoredGroups.hybrid: several groups, or one that is not full attention)
+    asks the engine for the hybrid hit of the whole prompt (the engine applies the windows, the alignment and the
+    drafter's drop), loads asynchronously (vLLM takes no block-level load errors with several groups: a failed
+    load is recomputed whole) and saves every group's full blocks as runs; prefill/decode hand-over is for
+    one-group instances only so far (a hybrid prefill hands nothing over: the decode side computes)."""
 
     def __init__(
         self,
@@ -104,8 +120,10 @@ class SchedulerSide:
         self.instance_id = instance_id_of(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
         self._drop_last_block = drops_last_hit_block(vllm_config, kv_cache_config)
-        [group] = kv_cache_config.kv_cache_groups  # one KV cache group (check_one_kv_cache_group)
-        self._block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)  # per worker
+        self.stored = stored_groups(vllm_config, kv_cache_config)
+        self.hybrid = self.stored.hybrid
+        group = kv_cache_config.kv_cache_groups[0]
+        self._block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)  # per worker (one group)
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadJob] = []  # this step's, handed to the workers by build_connector_meta
         self._described: dict[str, Any] | None = None  # this instance's layout, as prefill/decode params say it
@@ -123,6 +141,8 @@ class SchedulerSide:
         self._drop_claim(request.request_id)
         if self.config.mode == "save_only" or not self.outage.allows_call():
             return 0, False
+        if self.hybrid:
+            return self._hybrid_matched(request, num_computed_tokens)
         prefill = _prefill_params(request)
         start = num_computed_tokens // self.block_size
         limit = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))  # keep the last token
@@ -165,10 +185,59 @@ class SchedulerSide:
         self._record(request).claim = _Claim(start, hits, q.lease_id, sync)
         return hits * self.block_size, not sync
 
+    def _hybrid_matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """The engine's hybrid hit over the whole prompt (never its last token), beyond vLLM's own."""
+        step = self.stored.hash_block_size
+        limit = request.num_tokens - 1
+        n = min(len(request.block_hashes), request.num_tokens // step)
+        if limit <= num_computed_tokens or n == 0:
+            return 0, False
+        try:
+            q = self.client.query(self.instance_id, list(request.block_hashes[:n]), limit_tokens=limit)
+        except KvsealError as e:
+            self.outage.on_query_error(e)
+            return 0, False
+        self.outage.ok()
+        if q.loading:
+            self._release(q.lease_id)
+            return None, False
+        start = num_computed_tokens // step
+        if q.hits <= start:
+            self._release(q.lease_id)
+            return 0, False
+        self._record(request).claim = _Claim(start, q.hits - start, q.lease_id, sync=False)
+        return (q.hits - start) * step, True
+
+    def _runs(self, request: Request, group_block_ids: Any, start: int, end: int) -> list[BlockRun]:
+        """Per kvseal group, its full blocks within tokens [start, end) that vLLM gave a real block in every table
+        (the null block stands where a window needs nothing), keyed by the hash at each block's end."""
+        step = self.stored.hash_block_size
+        hashes = request.block_hashes
+        runs = []
+        for g, kind in enumerate(self.stored.groups):
+            b, k = kind.block_size, kind.block_size // step
+            tables = [group_block_ids[t] for t in self.stored.tables(g)]
+            stop = min(end // b, len(hashes) // k, *map(len, tables))
+            kept = [i for i in range(start // b, stop) if all(ids[i] != NULL_BLOCK_ID for ids in tables)]
+            if kept:
+                runs.append(
+                    BlockRun(g, [hashes[(i + 1) * k - 1] for i in kept], [[ids[i] for i in kept] for ids in tables])
+                )
+        return runs
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._record(request)
         claim, state.claim = state.claim, None
         if claim is None:
+            return
+        if self.hybrid:
+            step = self.stored.hash_block_size
+            n = min(num_external_tokens // step, claim.hits)
+            runs = self._runs(request, blocks.get_block_ids(), claim.start * step, (claim.start + n) * step)
+            if not runs:
+                self._release(claim.lease_id)
+                return
+            self._loads.append(LoadJob(request.request_id, [], [], claim.lease_id, False, runs))
             return
         n = num_external_tokens // self.block_size
         if n == 0:
@@ -191,7 +260,11 @@ class SchedulerSide:
             self._forget(req_id)
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
-            if state is not None:
+            if state is not None and self.hybrid:
+                state.group_block_ids = [list(ids) for ids in new.block_ids]
+                state.saved_tokens = new.num_computed_tokens  # loaded or vLLM's own hit
+                self._plan_save(meta, new.req_id, state, new.num_computed_tokens, scheduler_output)
+            elif state is not None:
                 [block_ids] = new.block_ids
                 state.block_ids = list(block_ids)
                 state.saved = new.num_computed_tokens // self.block_size  # loaded or vLLM's own hit
@@ -199,9 +272,17 @@ class SchedulerSide:
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
+            new_ids = cached.new_block_ids[i]
+            if state is not None and state.group_block_ids is not None:
+                if req_id in cached.resumed_req_ids:
+                    state.group_block_ids = [list(ids) for ids in new_ids] if new_ids else []
+                elif new_ids:
+                    for ids, added in zip(state.group_block_ids, new_ids, strict=True):
+                        ids.extend(added)
+                self._plan_save(meta, req_id, state, cached.num_computed_tokens[i], scheduler_output)
+                continue
             if state is None or state.block_ids is None:
                 continue
-            new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 state.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
@@ -215,8 +296,14 @@ class SchedulerSide:
     ) -> None:
         if self.config.mode == "load_only":
             return
-        assert state.block_ids is not None
         done = computed + so.num_scheduled_tokens.get(req_id, 0)
+        if state.group_block_ids is not None:
+            end = min(done, len(state.request.block_hashes) * self.stored.hash_block_size)
+            if end > state.saved_tokens and state.group_block_ids:
+                meta.save_runs.extend(self._runs(state.request, state.group_block_ids, state.saved_tokens, end))
+                state.saved_tokens = end
+            return
+        assert state.block_ids is not None
         hashes = state.request.block_hashes
         full = min(done // self.block_size, len(hashes), len(state.block_ids))
         if full > state.saved:
@@ -225,13 +312,17 @@ class SchedulerSide:
             meta.save_block_ids.extend(ids)
             state.saved = full
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         # saves run synchronously at the end of the step that computed the blocks, so nothing is left to wait for
         self._forget(request.request_id)
         params = request.kv_transfer_params or {}
         if params.get("kvseal_describe"):  # a router asks which layout this instance has
             return False, {"kvseal": self._describe()}
-        if params.get("do_remote_decode") and request.status == RequestStatus.FINISHED_LENGTH_CAPPED:
+        if (
+            params.get("do_remote_decode")
+            and request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+            and not self.hybrid
+        ):
             return False, self._hand_over(request)
         return False, None
 

@@ -1,10 +1,11 @@
 """The worker side of KVSealConnector: one per tp/pp rank, in vLLM's worker process. It moves bytes as the
 scheduler side planned them (kvseal.vllm.metadata) and reports one result per job.
 
-    register_kv_caches  ->  Register (the engine maps this worker's KV tensors over the lane)
-    start_load_kv       ->  one Load per LoadJob; blocks not loaded -> get_block_ids_with_load_errors
-    wait_for_save       ->  one Save of all the step's full blocks
-    get_finished        ->  the asynchronous loads of this step
+    register_kv_caches    ->  Register (the engine maps this worker's KV tensors over the lane)
+    start_load_kv         ->  one Load per LoadJob; blocks not loaded -> get_block_ids_with_load_errors
+                              (a hybrid instance's loads: LoadGroups, a failure -> failed_recving)
+    wait_for_save         ->  one Save (SaveGroups: hybrid) of all the step's full blocks
+    get_transfer_results  ->  the asynchronous loads of this step, and those that failed
 
 It registers exactly the KV tensors vLLM allocated (drafter layers included when they exist) with their physical
 packing in `layout_tag`; the engine seals the layout and derives the namespace. Loads run at the step's start and
@@ -27,17 +28,18 @@ import torch
 from kvseal.client import layer_from_tensor
 from kvseal.errors import KvsealError
 from kvseal.proto import kvseal_pb2 as pb
-from kvseal.vllm.compat import instance_id_of, splits_kv
+from kvseal.vllm.compat import instance_id_of, splits_kv, stored_groups
 from kvseal.vllm.identity import model_identity
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from kvseal.client import EngineClient, WorkerKey
     from kvseal.vllm.compat import KVSealConfig
-    from kvseal.vllm.metadata import KVSealConnectorMetadata
+    from kvseal.vllm.metadata import KVSealConnectorMetadata, LoadJob
     from kvseal.vllm.outage import Outage
 
 log = logging.getLogger("kvseal.vllm")
@@ -45,14 +47,28 @@ RETRY_INTERVAL_S = 1.0  # at most one registration attempt per interval
 
 
 class WorkerSide:
-    """The caller (KVSealConnector) guarantees one KV cache group of prefix-cacheable attention (kvseal.vllm.compat
+    """The caller (KVSealConnector) guarantees KV cache groups of prefix-cacheable attention (kvseal.vllm.compat
     checks it at construction). Engine calls fail soft and are paced by `outage`."""
 
-    def __init__(self, vllm_config: VllmConfig, config: KVSealConfig, client: EngineClient, outage: Outage) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        config: KVSealConfig,
+        client: EngineClient,
+        outage: Outage,
+    ) -> None:
         self.client = client
         self.outage = outage
         self.instance_id = instance_id_of(vllm_config)
-        self.block_size = vllm_config.cache_config.block_size
+        self.stored = stored_groups(vllm_config, kv_cache_config)
+        self.block_size = self.stored.hash_block_size
+        # layer name -> (kvseal group, table): where its blocks are stored, and which block ids address it
+        self._places = {
+            name: self.stored.places[i]
+            for i, group in enumerate(kv_cache_config.kv_cache_groups)
+            for name in group.layer_names
+        }
         self._vllm_config = vllm_config
         model = vllm_config.model_config
         self.namespace = config.namespace or model_identity(model.model, model.revision)
@@ -63,23 +79,25 @@ class WorkerSide:
         self._next_attempt = 0.0
         self._key: WorkerKey = (self.instance_id, 0, 0)  # (instance, tp rank, pp rank), set when registering
         self._finished_loads: set[str] = set()
+        self._failed_loads: set[str] = set()  # a hybrid instance's: vLLM recomputes the request
         self._load_errors: set[int] = set()
 
     # ---------------------------------------------------------------- registration
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
-        self._layers = [
-            # every layer is in the one KV cache group (check_one_kv_cache_group)
-            layer_from_tensor(
+        self._layers = []
+        for name, tensor in sorted(kv_caches.items()):
+            group, table = self._places[name] if self.stored.hybrid else (0, 0)
+            layer = layer_from_tensor(
                 name,
                 tensor,
                 layout_tag=self._layout_tag(name, tensor),
-                group_id=0,
+                group_id=group,
                 split_kv=splits_kv(tensor, self._vllm_config.cache_config.num_gpu_blocks),
             )
-            for name, tensor in sorted(kv_caches.items())
-        ]
+            layer.table = table
+            self._layers.append(layer)
         self._on_cuda = any(t.is_cuda for t in kv_caches.values())
         self._ensure_registered()
 
@@ -123,6 +141,8 @@ class WorkerSide:
                 world_size=tp_size * pp_size,
                 block_size=self.block_size,
                 layers=self._layers,
+                groups=[(g.kind, g.block_size, g.span) for g in self.stored.groups] if self.stored.hybrid else (),
+                eagle_groups=self.stored.eagle if self.stored.hybrid else (),
             )
         except KvsealError as e:
             self.outage.failed("register", e)
@@ -156,6 +176,9 @@ class WorkerSide:
     def start_load_kv(self, meta: KVSealConnectorMetadata) -> None:
         self._check_session()
         for job in meta.loads:
+            if job.runs:
+                self._load_runs(job)
+                continue
             loaded = 0
             if self._registered and job.hashes:
                 r = self._engine_call("load", self.client.load, self._key, job.hashes, job.block_ids, job.lease_id)
@@ -167,6 +190,19 @@ class WorkerSide:
             if not job.sync:
                 self._finished_loads.add(job.req_id)
 
+    def _load_runs(self, job: LoadJob) -> None:
+        """A hybrid instance's load (always asynchronous): whole, or reported failed and recomputed by vLLM (which
+        takes no block-level load errors with several KV cache groups)."""
+        wanted = sum(len(run.hashes) for run in job.runs)
+        r = None
+        if self._registered:
+            r = self._engine_call("load", self.client.load_groups, self._key, job.runs, job.lease_id)
+        if r is None or r.outcome != pb.LoadResponse.LOADED or r.loaded != wanted:
+            if r is not None and r.outcome == pb.LoadResponse.REFUSED:
+                log.warning("kvseal refused a load of request %s: %s", job.req_id, r.message)
+            self._failed_loads.add(job.req_id)
+        self._finished_loads.add(job.req_id)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass  # loads complete in start_load_kv
 
@@ -174,15 +210,19 @@ class WorkerSide:
         pass  # the engine copies every layer of a block at once in wait_for_save
 
     def wait_for_save(self, meta: KVSealConnectorMetadata) -> None:
-        if meta.save_hashes and self._registered:  # the session was checked at this step's start_load_kv
+        if (meta.save_hashes or meta.save_runs) and self._registered:  # the session was checked at start_load_kv
             if self._on_cuda:  # the engine copies on its own stream: this step's KV writes must be done first
                 torch.cuda.current_stream().synchronize()
-            self._engine_call("save", self.client.save, self._key, meta.save_hashes, meta.save_block_ids)
+            if meta.save_runs:
+                self._engine_call("save", self.client.save_groups, self._key, meta.save_runs)
+            else:
+                self._engine_call("save", self.client.save, self._key, meta.save_hashes, meta.save_block_ids)
 
-    def get_finished(self) -> set[str] | None:
-        """The requests whose asynchronous load ended (loaded or not) since the last call."""
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """The requests whose asynchronous load ended since the last call, and those of them that failed."""
         done, self._finished_loads = self._finished_loads, set()
-        return done or None
+        failed, self._failed_loads = self._failed_loads, set()
+        return done, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
