@@ -28,6 +28,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         layers=2,
         config_extra={"layer_types": ["sliding_attention"] * 2, "sliding_window": WINDOW},
     )
+    mixed = build_model(  # Gemma 3's pattern: sliding-window layers beside a full-attention one
+        base / "mixed",
+        layers=4,
+        config_extra={
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+            "sliding_window": WINDOW,
+        },
+    )
     mamba = base / "mamba2"  # config only: vLLM's dummy weights (load_format="dummy")
     mamba.mkdir()
     for name in TOKENIZER_FILES:
@@ -51,7 +59,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "torch_dtype": "float32",
     }
     (mamba / "config.json").write_text(json.dumps(config))
-    return {"sliding": sliding, "mamba2": mamba}
+    return {"sliding": sliding, "mixed": mixed, "mamba2": mamba}
 
 
 def test_pure_mamba2_is_refused_naming_the_group(models: dict[str, Path]) -> None:
@@ -104,4 +112,36 @@ def test_all_sliding_window_model_is_served_exactly_without_touching_the_null_bl
         # in the other three, and the engine is never handed it
         assert len(loaded) == 2 * 2 and 0 not in loaded
         assert 0 not in warm["engine_block_ids"]["save"]
+    assert engine.metric("kvseal_leases") == 0
+
+
+def test_sliding_window_beside_full_attention_is_served_exactly_with_vllms_hybrid_manager_on(
+    engine: EngineProcess, models: dict[str, Path]
+) -> None:
+    """vLLM gives the full-attention layer and each sliding-window layer a group of its own (hybrid manager on: the
+    connector declares SupportsHMA); kvseal stores two groups, the three sliding ones merged, each layer addressed
+    through its own group's block ids. A warm instance gets the whole hit from the engine, loads the window's last
+    blocks only, and answers as vLLM alone does."""
+    a, c = prompts(seed=21, n=2, length=700)  # five full blocks each
+    b = a[: 5 * BLOCK] + prompts(seed=22, n=1, length=60)[0]  # shares A's five blocks
+    model = str(models["mixed"])
+    baseline = run_vllm({"model": model, "prompts": [a, b, c], "engine": None})
+
+    cold = run_vllm({"model": model, "prompts": [a, c], "engine": engine.target, "record_block_ids": True})
+    assert cold["external_hits"] == 0
+    assert cold["outputs"] == [baseline["outputs"][0], baseline["outputs"][2]]
+    assert cold["engine_block_ids"]["save"] and 0 not in cold["engine_block_ids"]["save"]
+    held = {ns["namespace"]: ns for ns in engine.get_json("/v1/namespaces")}
+    [final] = {name.rsplit("/", 1)[0] for name in held}
+    assert held.keys() == {f"{final}/g0", f"{final}/g1"}
+    assert [ns["resident_blocks"] for ns in held.values()] == [10, 10]
+    full, sliding = sorted(ns["page_bytes"] for ns in held.values())
+    assert sliding == 3 * full  # the three sliding layers' slots in one page
+
+    warm = run_vllm({"model": model, "prompts": [b, c], "engine": engine.target, "record_block_ids": True})
+    assert warm["external_hits"] == 2 * 5 * BLOCK
+    assert warm["outputs"] == [baseline["outputs"][1], baseline["outputs"][2]]
+    loaded = warm["engine_block_ids"]["load"]
+    # per prompt: the full layer's five blocks, and the window's last two through each sliding layer's table
+    assert len(loaded) == 2 * (5 + 2 * 3) and 0 not in loaded
     assert engine.metric("kvseal_leases") == 0
