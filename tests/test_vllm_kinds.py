@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 from conftest import EngineProcess
-from vllm_support import TOKENIZER_FILES, build_model, prompts, run_vllm, run_vllm_raw, vllm_env
+from vllm_support import (
+    TOKENIZER_FILES,
+    build_any_model,
+    build_model,
+    prompts,
+    run_vllm,
+    run_vllm_raw,
+    vllm_env,
+)
 
 pytestmark = pytest.mark.process
 
@@ -34,6 +42,22 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         config_extra={
             "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
             "sliding_window": WINDOW,
+        },
+    )
+    gemma3 = build_any_model(  # Gemma 3's own architecture (query scaling, local and global rope, 5:1 pattern)
+        base / "gemma3",
+        {
+            "model_type": "gemma3_text",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 32,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+            "max_position_embeddings": 4096,
         },
     )
     mamba = base / "mamba2"  # config only: vLLM's dummy weights (load_format="dummy")
@@ -59,7 +83,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "torch_dtype": "float32",
     }
     (mamba / "config.json").write_text(json.dumps(config))
-    return {"sliding": sliding, "mixed": mixed, "mamba2": mamba}
+    return {"sliding": sliding, "mixed": mixed, "gemma3": gemma3, "mamba2": mamba}
 
 
 def test_pure_mamba2_is_refused_naming_the_group(models: dict[str, Path]) -> None:
@@ -145,3 +169,21 @@ def test_sliding_window_beside_full_attention_is_served_exactly_with_vllms_hybri
     # per prompt: the full layer's five blocks, and the window's last two through each sliding layer's table
     assert len(loaded) == 2 * (5 + 2 * 3) and 0 not in loaded
     assert engine.metric("kvseal_leases") == 0
+
+
+def test_gemma3_is_served_exactly_with_its_window_savings(engine: EngineProcess, models: dict[str, Path]) -> None:
+    """Gemma 3 (Gemma3ForCausalLM, five sliding-window layers to one global): the same KV capacity as vLLM without a
+    connector (its hybrid manager stays on), and a warm instance's tokens and logprobs equal vLLM's alone."""
+    a, c = prompts(seed=31, n=2, length=700)
+    b = a[: 5 * BLOCK] + prompts(seed=32, n=1, length=60)[0]
+    model = str(models["gemma3"])
+    baseline = run_vllm({"model": model, "prompts": [a, b, c], "engine": None, "logprobs": True})
+    cold = run_vllm({"model": model, "prompts": [a, c], "engine": engine.target, "logprobs": True})
+    assert cold["num_gpu_blocks"] == baseline["num_gpu_blocks"]
+    assert cold["outputs"] == [baseline["outputs"][0], baseline["outputs"][2]]
+    assert len(engine.get_json("/v1/namespaces")) == 2  # the sliding group and the global one
+    warm = run_vllm({"model": model, "prompts": [b, c], "engine": engine.target, "logprobs": True})
+    assert warm["external_hits"] == 2 * 5 * BLOCK
+    assert warm["outputs"] == [baseline["outputs"][1], baseline["outputs"][2]]
+    for got, want in zip(warm["logprobs"], baseline["logprobs"][1:], strict=True):
+        assert max(abs(x - y) for x, y in zip(got, want, strict=True)) <= 1e-4

@@ -5,13 +5,15 @@
 Keys: model, prompts, engine (null = no connector), namespace, mode, timeout_s, pd_timeout_s and sync_load_bytes
 (kvseal.*), block_size (128), dtype (float32), max_tokens (8), connector ("KVSealConnector" or
 "ExampleConnector"), storage (ExampleConnector's path), speculative (a dict), load_format, no_prefix_caching,
-hash_algo (prefix_caching_hash_algo), kv_role (kv_both), kv_transfer_params (one dict or null per prompt: the request's
-P/D parameters), max_num_batched_tokens, interactive (read prompts from stdin instead, answer with "STEP {...}" lines),
-record_block_ids (RESULT gets "engine_block_ids": {"load": [...], "save": [...]}, every vLLM block id the connector's
-worker handed the engine: EngineClient's calls are wrapped, not replaced).
+hash_algo (prefix_caching_hash_algo), logprobs (RESULT gets each output token's logprob), kv_role (kv_both),
+kv_transfer_params (one dict or null per prompt: the request's P/D parameters), max_num_batched_tokens, interactive
+(read prompts from stdin instead, answer with "STEP {...}" lines), record_block_ids (RESULT gets
+"engine_block_ids": {"load": [...], "save": [...]}, every vLLM block id the connector's worker handed the engine:
+EngineClient's calls are wrapped, not replaced).
 Each prompt runs in its own generate() call, in order. Output: {"outputs": [[ids]...], "external_hits": N,
-"seconds": [...], "kv_transfer_params": [...]} where external_hits is vLLM's own count of tokens served by the
-connector and kv_transfer_params what each request finished with (a prefill's hand-over).
+"seconds": [...], "kv_transfer_params": [...], "num_gpu_blocks": N} where external_hits is vLLM's own count of
+tokens served by the connector, kv_transfer_params what each request finished with (a prefill's hand-over) and
+num_gpu_blocks the KV blocks vLLM allocated (its KV capacity).
 """
 
 from __future__ import annotations
@@ -70,11 +72,13 @@ def main() -> None:
         kwargs["max_num_batched_tokens"] = args["max_num_batched_tokens"]
     handed_ids = record_block_ids() if args.get("record_block_ids") else None
     llm = LLM(**kwargs)
-    params = SamplingParams(max_tokens=args.get("max_tokens", 8), temperature=0)
+    params = SamplingParams(
+        max_tokens=args.get("max_tokens", 8), temperature=0, logprobs=1 if args.get("logprobs") else None
+    )
     if args.get("interactive"):
         serve_stdin(llm, params, TokensPrompt)
         return
-    outputs, seconds, ttft, handed = [], [], [], []
+    outputs, seconds, ttft, handed, logprobs = [], [], [], [], []
     transfer = args.get("kv_transfer_params") or [None] * len(args["prompts"])
     for ids, kv_params in zip(args["prompts"], transfer, strict=True):
         start = time.perf_counter()
@@ -85,6 +89,9 @@ def main() -> None:
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], request_params, use_tqdm=False)[0]
         seconds.append(time.perf_counter() - start)
         outputs.append(list(out.outputs[0].token_ids))
+        if out.outputs[0].logprobs is not None:  # the chosen token's, per step
+            chosen = zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True)
+            logprobs.append([step[token].logprob for token, step in chosen])
         handed.append(out.kv_transfer_params)
         if out.metrics is not None and getattr(out.metrics, "first_token_latency", None) is not None:
             ttft.append(out.metrics.first_token_latency)
@@ -94,6 +101,8 @@ def main() -> None:
         "seconds": seconds,
         "ttft": ttft,
         "kv_transfer_params": handed,
+        "logprobs": logprobs,
+        "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
     }
     if handed_ids is not None:
         result["engine_block_ids"] = handed_ids

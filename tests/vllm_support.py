@@ -48,6 +48,15 @@ def build_model(out: Path, **kwargs: Any) -> Path:
     return out
 
 
+def build_any_model(out: Path, config: dict[str, Any]) -> Path:
+    """A tiny random model of any architecture (kvseal.testing.llama.build_any), built in a subprocess."""
+    if not (out / "config.json").exists():
+        args = json.dumps({"out": str(out), "config": config})
+        code = f"import json; from kvseal.testing import llama; llama.build_any(**json.loads({args!r}))"
+        subprocess.run([sys.executable, "-c", code], cwd=TESTS, env=vllm_env(), check=True, timeout=300)
+    return out
+
+
 def shared_model(factory: pytest.TempPathFactory, **kwargs: Any) -> Path:
     """build_model once per pytest session for these arguments, shared by the modules that ask for the same."""
     name = "-".join(f"{k}{v}" for k, v in sorted(kwargs.items())) or "default"

@@ -2,6 +2,7 @@
 benchmarks that run real vLLM with nothing downloaded.
 
     build(out, layers=4, hidden=64, heads=4, kv_heads=2, head_dim=32, intermediate=None, vocab=1000, seed=0)
+    build_any(out, {"model_type": "gemma3_text", ...}, vocab=1000, seed=0)    # another architecture
 
 Needs torch, transformers and tokenizers (the `vllm` extra). vLLM's CPU attention needs head_dim >= 32.
 """
@@ -71,5 +72,28 @@ def build(
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    return model
+
+
+def build_any(out: str | Path, config: dict[str, Any], vocab: int = 1000, seed: int = 0) -> Any:
+    """Writes a causal LM of any architecture transformers knows (`config["model_type"]`, e.g. "gemma3_text"),
+    with random weights (transformers' own initialization) and this module's tokenizer, to `out`; returns it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    fast = train_tokenizer(vocab, seed)
+    fast.save_pretrained(out)
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    hf_config = AutoConfig.for_model(
+        config["model_type"],
+        vocab_size=len(fast),
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        **fields,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     return model
