@@ -8,6 +8,7 @@ pages that hit needs, and loading them through other block ids gives back every 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -20,7 +21,8 @@ from kvseal.core.layout import KvGroup
 from kvseal.engine.engine import Caller, Engine, Session
 from kvseal.errors import InvalidArgument
 from kvseal.memfd import SharedArray
-from kvseal.testing import register_one_rank
+from kvseal.ssd.tier import DiskTier
+from kvseal.testing import MemoryDevice, register_one_rank
 
 SLOT = 256
 BLOCKS = 64  # per layer
@@ -38,12 +40,12 @@ GROUP_KINDS = st.tuples(
 
 
 class Hybrid:
-    def __init__(self, groups: tuple[KvGroup, ...], eagle: tuple[int, ...] = ()) -> None:
+    def __init__(self, groups: tuple[KvGroup, ...], eagle: tuple[int, ...] = (), ssd: DiskTier | None = None) -> None:
         self.groups = groups
         self.shared = SharedArray((len(LAYERS) * BLOCKS, SLOT))
         self.memory = self.shared.array
         self.views = {name: self.memory[i * BLOCKS : (i + 1) * BLOCKS] for i, name in enumerate(LAYERS)}
-        self.engine = Engine(16 << 20, slab_bytes=1 << 20)
+        self.engine = Engine(16 << 20, slab_bytes=1 << 20, ssd=ssd)
         status = register_one_rank(
             self.engine,
             "h",
@@ -63,6 +65,7 @@ class Hybrid:
         self.namespace_final = status.namespace_final
 
     def close(self) -> None:
+        self.engine.close()
         self.shared.close()
 
     def layers_of(self, group: int) -> list[tuple[str, int]]:
@@ -173,3 +176,50 @@ def test_a_load_stops_at_the_first_group_missing_a_block_and_still_ends_the_leas
     assert (r.outcome, r.loaded) == ("missing", 4)  # group 0's four; group 1's first block (hash 1) was never saved
     assert hybrid.engine.store.lease(q.lease_id) is None
     hybrid.engine.store.check_invariants()
+
+
+def test_a_restarted_engine_refills_every_group_the_hit_needs_from_ssd() -> None:
+    """Each group's pages are written through to SSD under its own namespace; after a restart the query finds the
+    hybrid hit on SSD, answers `loading` while it reads exactly the missing needed blocks of every group, then hits
+    and loads them byte-exact."""
+    kinds = (KvGroup("full", 4), KvGroup("sliding", 4, 9), KvGroup("mamba", 8))
+    device = MemoryDevice(16 << 20, 512 << 10)
+    hs = prompt(8)
+    runs = [(0, hs, [list(range(8))]), (1, hs, [list(range(8)), list(range(8, 16))]), (2, hs[1::2], [[20, 21, 22, 23]])]
+    tier = DiskTier([device], batch_bytes=64 << 10)
+    tier.open()
+    first = Hybrid(kinds, ssd=tier)
+    first.memory[:] = np.random.default_rng(3).integers(0, 256, first.memory.shape, dtype=np.uint8)
+    saved = {name: view.copy() for name, view in first.views.items()}
+    assert first.engine.save_groups(WORKER, runs, SESSION).completed == 8 + 8 + 4
+    tier.flush()
+    assert tier.statistics().records == 20
+    first.close()
+
+    tier = DiskTier([device], batch_bytes=64 << 10)
+    tier.open()
+    second = Hybrid(kinds, ssd=tier)
+    try:
+        deadline = time.monotonic() + 30
+        loading = 0
+        while (q := second.engine.query("h", hs, SESSION.caller, max_tokens=31)).loading:
+            loading += 1
+            assert time.monotonic() < deadline, "the refill did not finish"
+            time.sleep(0.001)  # a bounded wait on the refill thread
+        assert loading >= 1 and q.hits == 6  # 24 tokens: within the limit, aligned to the Mamba group's 8
+        # read from SSD: what the hit of 24 tokens needs, and nothing else
+        assert second.engine.store.statistics().resident_blocks == 6 + 2 + 1
+        needed = [needed_blocks(kind, 24) for kind in kinds]
+        loads = [
+            (g, [hs[(i + 1) * (kind.block_size // STEP) - 1] for i in needed[g]], []) for g, kind in enumerate(kinds)
+        ]
+        second.memory[:] = 0
+        ids = {0: [[0, 1, 2, 3, 4, 5]], 1: [[4, 5], [12, 13]], 2: [[22]]}
+        r = second.engine.load_groups(WORKER, [(g, h, ids[g]) for g, h, _ in loads], SESSION, q.lease_id)
+        assert (r.outcome, r.loaded) == ("loaded", 9)
+        for name, (group, table) in LAYERS.items():
+            for block_id in ids[group][table]:
+                assert np.array_equal(second.views[name][block_id], saved[name][block_id]), name
+        second.engine.store.check_invariants()
+    finally:
+        second.close()

@@ -430,6 +430,7 @@ def test_the_index_moves_blocks_forgets_reclaimed_segments_and_defers_a_file_in_
     index.pin([(0, 1), (0, 1)])  # two runs of one read
     assert index.drop_segment((0, 1)) is False  # in use: the file stays
     assert index.prefix(key(BASE), [b, a]) == 1 and index.absent(key(BASE), [a, b]) == [0]
+    assert index.holds(key(BASE), [a, b, a]) == [False, True, False] and index.holds(key(MTP), [b]) == [False]
     assert index.unpin([(0, 1)]) == [] and index.unpin([(0, 1)]) == [(0, 1)]  # the last read removes it
     assert index.drop_segment((0, 2)) is True
     assert (index.records, index.bytes) == (0, 0) and index.summary() == {key(BASE): (0, 0, BASE.descriptor)}
@@ -448,7 +449,7 @@ def test_the_index_finds_a_namespace_by_an_older_stored_name() -> None:
     assert index.alias((7, current), BASE.descriptor, BASE, current) is ns and index.stored(7, current) is ns
 
 
-TIER_METHODS = ("prefix", "absent", "write", "read", "namespaces", "purge", "statistics", "close")
+TIER_METHODS = ("prefix", "holds", "absent", "write", "read", "namespaces", "purge", "statistics", "close")
 
 
 @pytest.mark.parametrize("implementation", [DiskTier, NullTier])
@@ -464,6 +465,7 @@ def test_the_null_tier_holds_nothing_and_takes_nothing() -> None:
     hs = hashes("null", 3)
     assert tier.prefix(key(BASE), hs) == 0
     assert tier.absent(key(BASE), hs) == []  # nothing to write, so nothing to pin
+    assert tier.holds(key(BASE), hs) == [False] * 3
     done: list[bool] = []
     items = [WriteItem(h, memoryview(page(BASE, h))) for h in hs]
     assert tier.write(key(BASE), BASE, items, done.append) is False and done == []  # not taken: no call

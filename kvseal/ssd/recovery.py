@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvseal.core.layout import layout_from_descriptor, namespace_final
+from kvseal.core.layout import layout_from_descriptor, namespace_final, part_of
 from kvseal.ssd import format as fmt
 from kvseal.ssd.device import ALIGN, Device
 from kvseal.ssd.index import BlockIndex, NamespaceBlocks, location
@@ -275,7 +275,9 @@ class _Recovery:
                 table_ns.namespace_final,
             )
             return None
-        current = namespace_final(client, layout)
-        if current != table_ns.namespace_final:
-            self.rekeyed[table_ns.namespace_final] = current
+        stored = table_ns.namespace_final
+        # a group's namespace keeps its name: its descriptor is the group's, the fingerprint in its name the layout's
+        current = stored if part_of(stored) else namespace_final(client, layout)
+        if current != stored:
+            self.rekeyed[stored] = current
         return self.index.alias((table_ns.tenant, current), table_ns.descriptor, layout, table_ns.namespace_final)

@@ -79,6 +79,10 @@ class Tier(Protocol):
         """How many of the leading `hashes` the tier holds for the namespace (0 when it holds none of them)."""
         ...
 
+    def holds(self, key: NamespaceKey, hashes: Sequence[bytes]) -> list[bool]:
+        """Per hash, whether the tier holds it for the namespace (a hybrid query's presence)."""
+        ...
+
     def absent(self, key: NamespaceKey, hashes: Sequence[bytes]) -> list[int]:
         """Positions of the `hashes` the tier would take if written: those it does not hold yet. The caller writes
         only these (the no-op tier takes none)."""
@@ -181,6 +185,10 @@ class DiskTier:
         """How many of the leading `hashes` the tier holds for the namespace."""
         with self._lock:
             return self._index.prefix(key, hashes)
+
+    def holds(self, key: NamespaceKey, hashes: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return self._index.holds(key, hashes)
 
     def absent(self, key: NamespaceKey, hashes: Sequence[bytes]) -> list[int]:
         """Positions of the hashes the tier does not hold for the namespace (queued ones are pinned in the pool,
