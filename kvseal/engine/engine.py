@@ -552,10 +552,11 @@ class Engine:
         if not namespace_final:
             raise InvalidArgument("namespace_final must not be empty")
         with self._lock:
-            left = views.layout_named(self.store, self.tiers.ssd, namespace_final, "namespace_final")
+            sealed = self.registry.layouts
+            left = views.layout_named(self.store, self.tiers.ssd, namespace_final, "namespace_final", sealed)
             if other_namespace_final:
                 field = "other_namespace_final"
-                right = views.layout_named(self.store, self.tiers.ssd, other_namespace_final, field)
+                right = views.layout_named(self.store, self.tiers.ssd, other_namespace_final, field, sealed)
         if other_namespace_final:
             other = other_namespace_final
         elif other_descriptor:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvseal.copy.copier import WorkerCopier
-from kvseal.core.layout import InstanceRegistry, SealedInstance, WorkerRegistration
+from kvseal.core.layout import InstanceRegistry, Layout, SealedInstance, WorkerRegistration
 from kvseal.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, quote
 from kvseal.ssd.tier import NamespaceKey
 
@@ -149,6 +149,9 @@ class Registry:
         """`max_mapped_per_uid`: bytes of their memfds that the workers of one uid may have the engine map and fault
         in at once (0: no cap); the engine's own user and root are not capped."""
         self.instances: dict[str, Instance] = {}
+        # every layout sealed since start, by namespace_final: one of several groups is stored as a namespace per
+        # group, so only this names the whole layout once its instances are gone (Compare)
+        self.layouts: dict[str, Layout] = {}
         self.max_mapped_per_uid = max_mapped_per_uid
         self._mapped: dict[int | None, int] = {}  # uid -> bytes its workers have mapped (or are mapping)
 
@@ -206,6 +209,8 @@ class Registry:
             self.unreserve(new.session.caller.uid, replaced.mapped_bytes)
         self.instances[reg.instance_id] = inst
         inst.workers = workers
+        if inst.sealed is not None:
+            self.layouts[inst.sealed.namespace_final] = inst.sealed.layout
         new.session.workers.add((reg.instance_id, *reg.key))
 
     def drop(self, inst: Instance, key: tuple[int, int]) -> int:

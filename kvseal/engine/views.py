@@ -4,9 +4,10 @@ its lock."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from kvseal.core.layout import Layout, layout_from_descriptor
+from kvseal.core.layout import Layout, layout_from_descriptor, part_of
 from kvseal.core.store import BlockStore
 from kvseal.errors import NotFound, quote
 from kvseal.ssd.tier import NamespaceKey, Tier
@@ -67,8 +68,14 @@ def namespace_view(key: NamespaceKey, layout: Layout) -> dict[str, Any]:
     }
 
 
-def layout_named(store: BlockStore, ssd: Tier, namespace_final: str, field: str) -> Layout:
-    """The layout of `namespace_final`, held in memory or on SSD; NotFound naming `field` otherwise."""
+def layout_named(
+    store: BlockStore, ssd: Tier, namespace_final: str, field: str, sealed: Mapping[str, Layout] | None = None
+) -> Layout:
+    """The layout of `namespace_final`: one sealed here since start (`sealed`: a layout of several groups is stored
+    as one namespace per group, so only its seal names it whole), or one held in memory or on SSD; NotFound naming
+    `field` otherwise."""
+    if sealed and namespace_final in sealed:
+        return sealed[namespace_final]
     for ns, layout in store.namespace_stats():
         if ns.namespace_final == namespace_final:
             return layout
@@ -79,10 +86,15 @@ def layout_named(store: BlockStore, ssd: Tier, namespace_final: str, field: str)
 
 
 def held_keys(store: BlockStore, ssd: Tier, namespace_final: str, uid: int | None) -> set[NamespaceKey]:
-    """Every (user, final namespace) named `namespace_final` (of `uid` only, when given) in memory or on SSD."""
+    """Every (user, final namespace) named `namespace_final` (of `uid` only, when given) in memory or on SSD, with
+    the namespaces of its groups (namespace_final/g<i>)."""
+
+    def named(name: str) -> bool:
+        return name == namespace_final or (part_of(name) or ("",))[0] == namespace_final
+
     keys = {
         (ns.tenant, ns.namespace_final)
         for ns, _ in store.namespace_stats()
-        if ns.namespace_final == namespace_final and uid in (None, ns.tenant)
+        if named(ns.namespace_final) and uid in (None, ns.tenant)
     }
-    return keys | {k for k in ssd.namespaces() if k[1] == namespace_final and uid in (None, k[0])}
+    return keys | {k for k in ssd.namespaces() if named(k[1]) and uid in (None, k[0])}
