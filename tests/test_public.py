@@ -13,7 +13,15 @@ from pathlib import Path
 import kvseal.client
 import kvseal.testing
 
-CLIENT = {"EngineClient", "cuda_handle", "layer_from_array", "layer_from_tensor", "share_tensor", "shm_handle"}
+CLIENT = {
+    "BlockRun",
+    "EngineClient",
+    "cuda_handle",
+    "layer_from_array",
+    "layer_from_tensor",
+    "share_tensor",
+    "shm_handle",
+}
 TESTING = {
     "EngineProcess",
     "EngineStartFailed",
