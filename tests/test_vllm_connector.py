@@ -173,7 +173,7 @@ def _spec_kinds(v: types.SimpleNamespace) -> dict[str, tuple[Any, bool]]:
             True,
         ),
         "uniform": (UniformTypeKVCacheSpecs(block_size=BLOCK, kv_cache_specs={"a": _attention(v)}), True),
-        "mamba": (mamba, False),
+        "mamba": (mamba, True),  # a state kept at block boundaries (align mode)
         "mamba-in-uniform": (
             UniformTypeKVCacheSpecs(block_size=BLOCK, kv_cache_specs={"a": window, "m": mamba}),
             False,
@@ -191,9 +191,9 @@ def _spec_kinds(v: types.SimpleNamespace) -> dict[str, tuple[Any, bool]]:
     }
 
 
-def test_only_prefix_cacheable_attention_is_served(v: types.SimpleNamespace) -> None:
-    """A Mamba state, cross-attention, a cache vLLM does not prefix-cache …: refused at construction, on both sides,
-    naming the group's spec; never saved and loaded as if its blocks were a prefix's KV."""
+def test_only_what_a_prefix_names_exactly_is_served(v: types.SimpleNamespace) -> None:
+    """Cross-attention, a cache vLLM does not prefix-cache, one group mixing kinds …: refused at construction, on
+    both sides, naming the group's spec; never saved and loaded as if its blocks were a prefix's KV."""
     names = [f"model.layers.{i}.mixer" for i in range(3)]
     for kind, (spec, served) in _spec_kinds(v).items():
         kv_cache_config = _kv_cache_config([v.KVCacheGroupSpec(names, spec)], v)

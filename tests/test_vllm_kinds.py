@@ -6,27 +6,22 @@ vLLM's null block, where a window needs nothing), from memory and from SSD after
 
 from __future__ import annotations
 
-import json
-import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import EngineProcess, wait_until
 from vllm_support import (
-    TOKENIZER_FILES,
     build_any_model,
     build_model,
     prompts,
     run_vllm,
-    run_vllm_raw,
-    vllm_env,
 )
 
 pytestmark = pytest.mark.process
 
 BLOCK = 128
+MAMBA_BLOCK = 32  # vLLM-CPU's Mamba runs in steps of one block: each block boundary then has its state
 WINDOW = 256  # two blocks: a 5-block hit needs its last two, vLLM puts its null block in the first three
 
 
@@ -62,48 +57,62 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "max_position_embeddings": 4096,
         },
     )
-    mamba = base / "mamba2"  # config only: vLLM's dummy weights (load_format="dummy")
-    mamba.mkdir()
-    for name in TOKENIZER_FILES:
-        shutil.copy(sliding / name, mamba / name)
-    vocab = json.loads((sliding / "config.json").read_text())["vocab_size"]
-    config = {
-        "architectures": ["Mamba2ForCausalLM"],
-        "model_type": "mamba2",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_heads": 4,
-        "head_dim": 32,
-        "expand": 2,
-        "state_size": 16,
-        "n_groups": 1,
-        "conv_kernel": 4,
-        "chunk_size": 128,
-        "vocab_size": vocab,
-        "time_step_rank": 8,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-    }
-    (mamba / "config.json").write_text(json.dumps(config))
-    return {"sliding": sliding, "mixed": mixed, "gemma3": gemma3, "mamba2": mamba}
+    mamba_model = {"conv_kernel": 4, "chunk_size": MAMBA_BLOCK, "n_groups": 1, "max_position_embeddings": 4096}
+    nemotron = build_any_model(  # Nemotron-H's pattern: Mamba2 layers beside attention ones
+        base / "nemotron_h",
+        mamba_model
+        | {
+            "model_type": "nemotron_h",
+            "hidden_size": 64,
+            "num_hidden_layers": 4,
+            "hybrid_override_pattern": "M*M*",
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "ssm_state_size": 16,
+            "intermediate_size": 128,
+        },
+    )
+    mamba = build_any_model(
+        base / "mamba2",
+        mamba_model
+        | {
+            "model_type": "mamba2",
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_heads": 4,
+            "head_dim": 32,
+            "expand": 2,
+            "state_size": 16,
+            "time_step_rank": 8,
+        },
+    )
+    return {"sliding": sliding, "mixed": mixed, "gemma3": gemma3, "nemotron_h": nemotron, "mamba2": mamba}
 
 
-def test_pure_mamba2_is_refused_naming_the_group(models: dict[str, Path]) -> None:
-    """vLLM builds one MambaSpec group for it (hybrid manager off or not); nothing of it may reach the engine."""
-    args = {
-        "model": str(models["mamba2"]),
-        "prompts": [prompts(seed=1, n=1, length=40)[0]],
-        "engine": "unix:/nonexistent/kvseal-kinds.sock",  # refused before any engine call
-        "load_format": "dummy",
-        "block_size": 16,
-        "max_num_batched_tokens": 16,  # what CPU Mamba needs (its kernel keeps no in-step checkpoints)
-    }
-    proc = run_vllm_raw(args, vllm_env())
-    assert proc.returncode != 0
-    assert "RESULT " not in proc.stdout
-    refusal = re.search(r"kvseal cannot serve this model's KV cache: group 0 is MambaSpec[^,]*, 2 layers", proc.stderr)
-    assert refusal is not None, proc.stderr[-3000:]
-    assert "drop --kv-transfer-config" in proc.stderr
+@pytest.mark.parametrize("name", ["nemotron_h", "mamba2"])
+def test_mamba_state_is_served_exactly(engine: EngineProcess, models: dict[str, Path], name: str) -> None:
+    """A Mamba group's block holds the state after its last token (vLLM's align mode): kvseal saves it where a
+    step ended on a block boundary (every boundary here: steps of one block, as CPU Mamba needs) and loads the one
+    state a hit needs, asynchronously (a synchronous load would land after vLLM copied the state on). Nemotron-H
+    (Mamba2 beside attention: two groups) and pure Mamba2 (one group) answer as vLLM alone does."""
+    a, c = prompts(seed=51, n=2, length=200)
+    b = a[: 5 * MAMBA_BLOCK] + prompts(seed=52, n=1, length=30)[0]  # shares A's first five blocks
+    common = {"model": str(models[name]), "block_size": MAMBA_BLOCK, "max_num_batched_tokens": MAMBA_BLOCK}
+    common |= {"logprobs": True}
+    baseline = run_vllm(common | {"prompts": [a, b, c], "engine": None})
+    cold = run_vllm(common | {"prompts": [a, c], "engine": engine.target})
+    assert cold["outputs"] == [baseline["outputs"][0], baseline["outputs"][2]]
+    warm = run_vllm(common | {"prompts": [b, c], "engine": engine.target, "record_block_ids": True})
+    # B: the five shared blocks (the state after them was saved by A's step ending there); C: six of its 200
+    # tokens' blocks (never its last token)
+    assert warm["external_hits"] == 5 * MAMBA_BLOCK + 6 * MAMBA_BLOCK
+    assert warm["outputs"] == [baseline["outputs"][1], baseline["outputs"][2]]
+    for got, want in zip(warm["logprobs"], baseline["logprobs"][1:], strict=True):
+        assert max(abs(x - y) for x, y in zip(got, want, strict=True)) <= 1e-4
+    assert 0 not in warm["engine_block_ids"]["load"]
 
 
 def test_all_sliding_window_model_is_served_exactly_without_touching_the_null_block(

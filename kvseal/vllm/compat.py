@@ -173,16 +173,11 @@ def stored_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> St
 
 
 def check_attention_kv_cache(kv_cache_config: KVCacheConfig) -> None:
-    """kvseal serves blocks of attention KV: a block holds the keys and values of its tokens, so a prefix's blocks,
-    keyed by the prefix's hashes, are the same bytes for every request that shares the prefix. Refuses at
-    construction, naming the group and its spec, everything `kv_groups` refuses, and Mamba-like state groups: a
-    state block is a sequence's running state at a boundary; loaded as a prefix block it gives wrong outputs
-    (measured: every token of a tiny Mamba2 differed from the cold run), and the connector does not serve state
-    groups yet. Accepted: full attention and its kinds (MLA, sinks), sliding window, chunked local; their null
-    blocks are never loaded or saved (the connector skips block id 0)."""
-    for i, (group, kv) in enumerate(zip(kv_cache_config.kv_cache_groups, kv_groups(kv_cache_config), strict=True)):
-        if kv.kind == "mamba":
-            raise _cannot_serve(i, "MambaSpec (a running state)", group.layer_names)
+    """kvseal serves the KV cache groups whose blocks a prefix's hashes name exactly: attention KV (full, MLA, sinks,
+    sliding window, chunked local: a block holds its tokens' keys and values) and Mamba-like state kept at block
+    boundaries (align mode: a block holds the state after its last token). Refuses at construction, naming the
+    group, its spec and its layers, everything `kv_groups` refuses."""
+    kv_groups(kv_cache_config)
 
 
 def kv_groups(kv_cache_config: KVCacheConfig) -> tuple[KvGroup, ...]:
@@ -269,6 +264,20 @@ def splits_kv(tensor: torch.Tensor, num_blocks: int | None) -> bool:
     if tensor.dim() >= 2 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks and num_blocks != 2:
         return True
     return False
+
+
+def mamba_tag(spec: Any) -> str:
+    """The layout tag of a Mamba-like layer (MambaSpec, vLLM 0.32: `shapes`, `dtypes`, `mamba_type`), '' for any
+    other spec. vLLM hands the connector such a layer as one int8 tensor [num_blocks, 1, 1, state bytes] whose block
+    b holds every state after block b's tokens (conv, then ssm; the rest of the page is padding no kernel reads)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    if not isinstance(spec, MambaSpec):
+        return ""
+    shapes = ",".join("x".join(map(str, shape)) for shape in spec.shapes)
+    dtypes = ",".join(str(dtype).removeprefix("torch.") for dtype in spec.dtypes)
+    kind = getattr(spec.mamba_type, "value", spec.mamba_type)
+    return f"mamba/{kind}/{shapes}/{dtypes}"
 
 
 def eagle_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> frozenset[int]:

@@ -21,12 +21,14 @@ OffloadingConnector does:
                      └─ shared by both: KVSealConfig, EngineClient, Outage (kvseal.vllm.outage: the engine being
                                         down or wedged never stops inference; calls back off 1 s … 30 s)
 
-One KV cache group only: kvseal saves and loads one block id per hash for all of a worker's layers, so a config to
-which vLLM gives several block tables is refused at start (check_one_kv_cache_group says when vLLM does). That group
-must be attention whose blocks are prefix-cacheable token blocks (full, MLA, sliding window, chunked local): a state
-group (Mamba, gated delta net, short conv) or any spec vLLM does not prefix-cache is refused at start, naming it
-(check_attention_kv_cache). Where vLLM puts its null block (id 0: positions a sliding window or a local chunk no
-longer needs), nothing is loaded or saved: the engine is never handed id 0.
+KV cache groups: the connector declares vLLM's `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on and
+hands it a block table per KV cache group. Groups with one hit rule are one kvseal group (compat.stored_groups); an
+instance with more than one vLLM group, a sliding window or a Mamba-like state is *hybrid*: it registers its groups,
+asks the engine for the hybrid hit of the whole prompt, loads asynchronously and saves per group (a Mamba group's
+state where a step ended on a block boundary). A group whose blocks a prefix's hashes do not name exactly (cross
+attention, a cache vLLM does not prefix-cache, a Mamba state without boundary states) is refused at start, naming it
+(check_attention_kv_cache). Where vLLM puts its null block (id 0: positions a window no longer needs, Mamba blocks
+but the last), nothing is loaded or saved: the engine is never handed id 0.
 """
 
 from __future__ import annotations

@@ -208,9 +208,11 @@ class SchedulerSide:
         self._record(request).claim = _Claim(start, q.hits - start, q.lease_id, sync=False)
         return (q.hits - start) * step, True
 
-    def _runs(self, request: Request, group_block_ids: Any, start: int, end: int) -> list[BlockRun]:
+    def _runs(self, request: Request, group_block_ids: Any, start: int, end: int, state_at: int) -> list[BlockRun]:
         """Per kvseal group, its full blocks within tokens [start, end) that vLLM gave a real block in every table
-        (the null block stands where a window needs nothing), keyed by the hash at each block's end."""
+        (the null block stands where a window needs nothing), keyed by the hash at each block's end. A Mamba group's
+        block holds a state only where a step ended, `state_at` tokens (the hit's end for a load): its one block
+        ending there, if any."""
         step = self.stored.hash_block_size
         hashes = request.block_hashes
         runs = []
@@ -218,7 +220,10 @@ class SchedulerSide:
             b, k = kind.block_size, kind.block_size // step
             tables = [group_block_ids[t] for t in self.stored.tables(g)]
             stop = min(end // b, len(hashes) // k, *map(len, tables))
-            kept = [i for i in range(start // b, stop) if all(ids[i] != NULL_BLOCK_ID for ids in tables)]
+            first = start // b
+            if kind.kind == "mamba":
+                first = state_at // b - 1 if state_at % b == 0 else stop
+            kept = [i for i in range(first, stop) if all(ids[i] != NULL_BLOCK_ID for ids in tables)]
             if kept:
                 runs.append(
                     BlockRun(g, [hashes[(i + 1) * k - 1] for i in kept], [[ids[i] for i in kept] for ids in tables])
@@ -233,7 +238,8 @@ class SchedulerSide:
         if self.hybrid:
             step = self.stored.hash_block_size
             n = min(num_external_tokens // step, claim.hits)
-            runs = self._runs(request, blocks.get_block_ids(), claim.start * step, (claim.start + n) * step)
+            end = (claim.start + n) * step
+            runs = self._runs(request, blocks.get_block_ids(), claim.start * step, end, end)
             if not runs:
                 self._release(claim.lease_id)
                 return
@@ -300,7 +306,8 @@ class SchedulerSide:
         if state.group_block_ids is not None:
             end = min(done, len(state.request.block_hashes) * self.stored.hash_block_size)
             if end > state.saved_tokens and state.group_block_ids:
-                meta.save_runs.extend(self._runs(state.request, state.group_block_ids, state.saved_tokens, end))
+                runs = self._runs(state.request, state.group_block_ids, state.saved_tokens, end, done)
+                meta.save_runs.extend(runs)
                 state.saved_tokens = end
             return
         assert state.block_ids is not None

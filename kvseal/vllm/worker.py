@@ -28,7 +28,7 @@ import torch
 from kvseal.client import layer_from_tensor
 from kvseal.errors import KvsealError
 from kvseal.proto import kvseal_pb2 as pb
-from kvseal.vllm.compat import instance_id_of, splits_kv, stored_groups
+from kvseal.vllm.compat import instance_id_of, mamba_tag, splits_kv, stored_groups
 from kvseal.vllm.identity import model_identity
 
 if TYPE_CHECKING:
@@ -69,6 +69,9 @@ class WorkerSide:
             for i, group in enumerate(kv_cache_config.kv_cache_groups)
             for name in group.layer_names
         }
+        self._specs = {
+            name: group.kv_cache_spec for group in kv_cache_config.kv_cache_groups for name in group.layer_names
+        }
         self._vllm_config = vllm_config
         model = vllm_config.model_config
         self.namespace = config.namespace or model_identity(model.model, model.revision)
@@ -102,7 +105,12 @@ class WorkerSide:
         self._ensure_registered()
 
     def _layout_tag(self, name: str, tensor: torch.Tensor) -> str:
-        """Names the packing of a block: backend, KV layout, kernel ISA path, dtypes (docs/design.md §2)."""
+        """Names the packing of a block: backend, KV layout, kernel ISA path, dtypes (docs/design.md §2); for a
+        Mamba-like layer (whose tensor is its states' bytes, one run per block) the kind, each state's shape (the
+        conv state's layout with it) and dtype."""
+        tag = mamba_tag(self._specs.get(name))
+        if tag:
+            return tag
         layer = self._vllm_config.compilation_config.static_forward_context.get(name)
         backend = "unknown"
         if layer is not None and hasattr(layer, "attn_backend"):
