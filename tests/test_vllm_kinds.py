@@ -222,3 +222,38 @@ def test_a_hybrid_models_hits_come_from_ssd_after_an_engine_restart(
     assert warm["external_hits"] == 2 * 5 * BLOCK
     # read back: each prompt's five full-attention blocks and the window's last two
     assert restarted.metric("kvseal_resident_blocks") == 2 * (5 + 2)
+
+
+def test_a_hybrid_models_prefill_hands_its_blocks_to_a_decode_instance(
+    engine: EngineProcess, models: dict[str, Path]
+) -> None:
+    """Prefill/decode through one engine with sliding-window layers beside a full one: the prefill instance holds
+    what the decode side's hit needs (every group's), the decode instance loads it and answers as one instance."""
+    model = str(models["mixed"])
+    a, c = prompts(seed=61, n=2, length=700)
+    baseline = run_vllm({"model": model, "prompts": [a, c], "engine": None})["outputs"]
+    hand_over = {"do_remote_decode": True, "do_remote_prefill": False}
+    prefill = run_vllm(
+        {
+            "model": model,
+            "prompts": [a, c],
+            "engine": engine.target,
+            "kv_role": "kv_producer",
+            "max_tokens": 1,
+            "kv_transfer_params": [hand_over, hand_over],
+        }
+    )
+    handed = prefill["kv_transfer_params"]
+    assert all(params["kvseal"]["lease_id"] > 0 for params in handed)
+    decode = run_vllm(
+        {
+            "model": model,
+            "prompts": [a, c],
+            "engine": engine.target,
+            "kv_role": "kv_consumer",
+            "kv_transfer_params": handed,
+        }
+    )
+    assert decode["outputs"] == baseline
+    assert decode["external_hits"] == 2 * 5 * BLOCK
+    wait_until(lambda: engine.metric("kvseal_leases") == 0, 10, "the prefill's holds to end once loaded")

@@ -27,6 +27,7 @@ the prefill's, logging what differs. `kvseal_describe` requests answer the insta
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -93,14 +94,14 @@ def _prefill_params(request: Request) -> dict[str, Any] | None:
 
 
 class SchedulerSide:
-    """The caller (KVSealConnector) guarantees KV cache groups of prefix-cacheable attention (kvseal.vllm.compat
-    checks it at construction). Engine calls fail soft and are paced by `outage`.
+    """The caller (KVSealConnector) guarantees KV cache groups kvseal serves (kvseal.vllm.compat checks it at
+    construction). Engine calls fail soft and are paced by `outage`.
 
     A hybrid instance (kvseal.vllm.compat.StoredGroups.hybrid: several groups, or one that is not full attention)
-    asks the engine for the hybrid hit of the whole prompt (the engine applies the windows, the alignment and the
-    drafter's drop), loads asynchronously (vLLM takes no block-level load errors with several groups: a failed
-    load is recomputed whole) and saves every group's full blocks as runs; prefill/decode hand-over is for
-    one-group instances only so far (a hybrid prefill hands nothing over: the decode side computes)."""
+    asks the engine for the hybrid hit of the whole prompt (the engine applies the windows, the states, the
+    alignment and the drafter's drop), loads asynchronously (vLLM takes no block-level load errors with several
+    groups: a failed load is recomputed whole) and saves every group's full blocks as runs (a Mamba group's where a
+    step ended); a prefill's hold leases what the decode side's hit needs (its limit: the prompt's last token)."""
 
     def __init__(
         self,
@@ -122,6 +123,7 @@ class SchedulerSide:
         self._drop_last_block = drops_last_hit_block(vllm_config, kv_cache_config)
         self.stored = stored_groups(vllm_config, kv_cache_config)
         self.hybrid = self.stored.hybrid
+        self._align = math.lcm(*(g.block_size for g in self.stored.groups))  # a hybrid hit's granularity
         group = kv_cache_config.kv_cache_groups[0]
         self._block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)  # per worker (one group)
         self._requests: dict[str, _Request] = {}
@@ -141,15 +143,23 @@ class SchedulerSide:
         self._drop_claim(request.request_id)
         if self.config.mode == "save_only" or not self.outage.allows_call():
             return 0, False
-        if self.hybrid:
-            return self._hybrid_matched(request, num_computed_tokens)
         prefill = _prefill_params(request)
-        start = num_computed_tokens // self.block_size
-        limit = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))  # keep the last token
-        if limit <= start:
+        step = self.stored.hash_block_size if self.hybrid else self.block_size
+        start = num_computed_tokens // step
+        if self.hybrid:  # the whole prompt's hit (the engine applies windows, states, alignment, the drafter's drop)
+            first, end, limit_tokens = (
+                0,
+                min(len(request.block_hashes), request.num_tokens // step),
+                request.num_tokens - 1,
+            )
+            reachable = limit_tokens // self._align * self._align // step
+        else:  # the leading blocks after vLLM's own hit
+            first, end, limit_tokens = start, min((request.num_tokens - 1) // step, len(request.block_hashes)), 0
+            reachable = end
+        if reachable <= start:
             return 0, False
         try:
-            q = self.client.query(self.instance_id, list(request.block_hashes[start:limit]))
+            q = self.client.query(self.instance_id, list(request.block_hashes[first:end]), limit_tokens=limit_tokens)
         except KvsealError as e:
             self.outage.on_query_error(e)
             return 0, False
@@ -157,6 +167,7 @@ class SchedulerSide:
         if q.loading:
             self._release(q.lease_id)
             return None, False
+        reached = first + q.hits  # blocks from the prompt's start the engine serves
         if prefill is not None:
             if prefill.get("namespace_final") != q.namespace_final:
                 self._release(q.lease_id)
@@ -164,8 +175,8 @@ class SchedulerSide:
                 return 0, False  # computed here instead: never KV of another layout
             state = self._record(request)
             state.hold = prefill
-            wanted = min(len(prefill.get("block_hashes", ())), limit - start)
-            if q.hits < wanted:
+            wanted = min(len(prefill.get("block_hashes", ())), reachable)
+            if reached < wanted:
                 if self._wait(state):
                     self._release(q.lease_id)
                     return None, False  # the prefill's blocks are on their way (another node announces them soon)
@@ -173,40 +184,17 @@ class SchedulerSide:
                     "kvseal: request %s: %d of the prefill's %d blocks reached this engine in %.1f s; computing the "
                     "rest here",
                     request.request_id,
-                    q.hits,
+                    reached,
                     wanted,
                     min(PD_WAIT_S, self.config.pd_timeout_s),
                 )
-        hits = claimable_blocks(q.hits, self._drop_last_block)
+        hits = max(reached - start, 0) if self.hybrid else claimable_blocks(q.hits, self._drop_last_block)
         if hits == 0:
             self._release(q.lease_id)
             return 0, False
-        sync = hits * self._block_bytes <= self.config.sync_load_bytes
+        sync = not self.hybrid and hits * self._block_bytes <= self.config.sync_load_bytes
         self._record(request).claim = _Claim(start, hits, q.lease_id, sync)
-        return hits * self.block_size, not sync
-
-    def _hybrid_matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """The engine's hybrid hit over the whole prompt (never its last token), beyond vLLM's own."""
-        step = self.stored.hash_block_size
-        limit = request.num_tokens - 1
-        n = min(len(request.block_hashes), request.num_tokens // step)
-        if limit <= num_computed_tokens or n == 0:
-            return 0, False
-        try:
-            q = self.client.query(self.instance_id, list(request.block_hashes[:n]), limit_tokens=limit)
-        except KvsealError as e:
-            self.outage.on_query_error(e)
-            return 0, False
-        self.outage.ok()
-        if q.loading:
-            self._release(q.lease_id)
-            return None, False
-        start = num_computed_tokens // step
-        if q.hits <= start:
-            self._release(q.lease_id)
-            return 0, False
-        self._record(request).claim = _Claim(start, q.hits - start, q.lease_id, sync=False)
-        return (q.hits - start) * step, True
+        return hits * step, not sync
 
     def _runs(self, request: Request, group_block_ids: Any, start: int, end: int, state_at: int) -> list[BlockRun]:
         """Per kvseal group, its full blocks within tokens [start, end) that vLLM gave a real block in every table
@@ -325,11 +313,7 @@ class SchedulerSide:
         params = request.kv_transfer_params or {}
         if params.get("kvseal_describe"):  # a router asks which layout this instance has
             return False, {"kvseal": self._describe()}
-        if (
-            params.get("do_remote_decode")
-            and request.status == RequestStatus.FINISHED_LENGTH_CAPPED
-            and not self.hybrid
-        ):
+        if params.get("do_remote_decode") and request.status == RequestStatus.FINISHED_LENGTH_CAPPED:
             return False, self._hand_over(request)
         return False, None
 
@@ -386,8 +370,11 @@ class SchedulerSide:
         """Prefill side: holds the prompt's saved blocks under a lease of kvseal.pd_timeout_s (capped by the engine's
         --lease-ttl) and says where the decode instance finds them. The lease ends when the decode side has loaded
         them (it releases it), or by its TTL (the decode never came)."""
-        n = min(len(request.block_hashes), request.num_prompt_tokens // self.block_size)
+        step = self.stored.hash_block_size if self.hybrid else self.block_size
+        n = min(len(request.block_hashes), request.num_prompt_tokens // step)
         hashes = list(request.block_hashes[:n])
+        # a hybrid hold leases what the decode side's hit needs: its limit is the prompt's last token
+        limit_tokens = request.num_prompt_tokens - 1 if self.hybrid else 0
         params: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -399,7 +386,8 @@ class SchedulerSide:
         if not hashes or not self.outage.allows_call():
             return params
         try:
-            q = self.client.query(self.instance_id, hashes, lease_ttl_ms=int(self.config.pd_timeout_s * 1000))
+            ttl_ms = int(self.config.pd_timeout_s * 1000)
+            q = self.client.query(self.instance_id, hashes, lease_ttl_ms=ttl_ms, limit_tokens=limit_tokens)
         except KvsealError as e:
             self.outage.failed("query", e)
             return params  # the decode side computes the prompt itself
