@@ -18,11 +18,12 @@ from hypothesis import strategies as st
 
 from kvseal.core.hybrid import hybrid_hit, needed_blocks
 from kvseal.core.layout import KvGroup
-from kvseal.engine.engine import Caller, Engine, Session
+from kvseal.engine.engine import Caller, Engine, QueryResult, Session
+from kvseal.engine.tiers import PEER_RETRY_S
 from kvseal.errors import InvalidArgument
 from kvseal.memfd import SharedArray
 from kvseal.ssd.tier import DiskTier
-from kvseal.testing import MemoryDevice, register_one_rank
+from kvseal.testing import FakePeerSource, MemoryDevice, register_one_rank
 
 SLOT = 256
 BLOCKS = 64  # per layer
@@ -223,3 +224,93 @@ def test_a_restarted_engine_refills_every_group_the_hit_needs_from_ssd() -> None
         second.engine.store.check_invariants()
     finally:
         second.close()
+
+
+class _PeerNodes:
+    """Node A saves a hybrid prompt; node B (same model, empty) asks A through a fake peer source that holds the
+    bytes A would serve (its pinned pages, under each group's store namespace)."""
+
+    KINDS = (KvGroup("full", 4), KvGroup("sliding", 4, 9), KvGroup("mamba", 8))
+
+    def __init__(self, mamba_blocks: list[int]) -> None:
+        self.a = Hybrid(self.KINDS)
+        self.b = Hybrid(self.KINDS)
+        self.peer = FakePeerSource()
+        self.b.engine.use_peers(self.peer)
+        self.hs = prompt(8)
+        self.a.memory[:] = np.random.default_rng(5).integers(0, 256, self.a.memory.shape, dtype=np.uint8)
+        self.ids = {0: [list(range(8))], 1: [list(range(8)), list(range(8, 16))], 2: [[20, 21, 22, 23]]}
+        mamba = [(self.hs[2 * i + 1], self.ids[2][0][i]) for i in mamba_blocks]
+        runs = [
+            (0, self.hs, self.ids[0]),
+            (1, self.hs, self.ids[1]),
+            (2, [h for h, _ in mamba], [[i for _, i in mamba]]),
+        ]
+        self.a.engine.save_groups(WORKER, runs, SESSION)
+        sealed = self.a.engine.registry.find_sealed("h").sealed
+        assert sealed is not None
+        for part, group_keys in zip(sealed.parts, (self.hs, self.hs, self.hs[1::2]), strict=True):
+            pin = self.a.engine.pin_for_peer(
+                part.name, part.layout.digest, part.layout.page_bytes, group_keys, "b", 60.0
+            )  # the leading blocks A holds of each group
+            held = group_keys[: len(pin.views)]
+            self.peer.hold(part.name, held, [bytes(v) for v in pin.views])
+
+    def query_until_served(self, max_tokens: int) -> QueryResult:
+        deadline = time.monotonic() + 10
+        while (q := self.b.engine.query("h", self.hs, SESSION.caller, max_tokens=max_tokens)).loading:
+            assert time.monotonic() < deadline, "the fetch never finished"
+            time.sleep(0.001)  # poll interval of a bounded wait on a real condition (the fetch thread)
+        return q
+
+    def close(self) -> None:
+        self.a.close()
+        self.b.close()
+
+
+def test_a_hybrid_miss_fetches_from_a_peer_exactly_the_pages_every_group_needs() -> None:
+    """The MetaServer is asked about the full-attention group's run; the fetch takes, per group, the blocks the
+    hit that run allows needs (a set: the sliding group's last blocks, the one Mamba state), then serves them."""
+    nodes = _PeerNodes(mamba_blocks=[0, 1, 2, 3])
+    try:
+        b = nodes.b
+        assert b.engine.query("h", nodes.hs, SESSION.caller, max_tokens=31).loading
+        q = nodes.query_until_served(31)
+        assert q.hits == 6  # 24 tokens: below the limit, aligned to the Mamba group's 8
+        name = nodes.a.namespace_final
+        assert nodes.peer.lookups == [(f"{name}/g0", 8)]
+        assert sorted(nodes.peer.fetches) == [(f"{name}/g0", 6), (f"{name}/g1", 2), (f"{name}/g2", 1)]
+        assert b.engine.store.statistics().resident_blocks == 6 + 2 + 1
+        b.memory[:] = 0
+        needed = {0: range(0, 6), 1: range(4, 6), 2: range(2, 3)}
+        runs = []
+        for g, kind in enumerate(_PeerNodes.KINDS):
+            k = kind.block_size // STEP
+            runs.append(
+                (g, [nodes.hs[(i + 1) * k - 1] for i in needed[g]], [[t[i] for i in needed[g]] for t in nodes.ids[g]])
+            )
+        r = b.engine.load_groups(WORKER, runs, SESSION, q.lease_id)
+        assert (r.outcome, r.loaded) == ("loaded", 9)
+        for g, _, ids in runs:
+            for name_, table in b.layers_of(g):
+                for block_id in ids[table]:
+                    assert np.array_equal(b.views[name_][block_id], nodes.a.views[name_][block_id]), (name_, block_id)
+        b.engine.store.check_invariants()
+    finally:
+        nodes.close()
+
+
+def test_a_peer_without_the_mamba_state_the_hit_needs_is_a_miss_not_asked_again_at_once() -> None:
+    """A holds the attention blocks but not the Mamba state at 24 tokens: B fetches what A gives, serves what it
+    can (nothing without a state), and does not ask again within PEER_RETRY_S."""
+    nodes = _PeerNodes(mamba_blocks=[0, 1])
+    try:
+        assert nodes.b.engine.query("h", nodes.hs, SESSION.caller, max_tokens=31).loading
+        assert nodes.query_until_served(31).hits == 0
+        asked = len(nodes.peer.lookups)
+        assert nodes.b.engine.query("h", nodes.hs, SESSION.caller, max_tokens=31).hits == 0
+        assert len(nodes.peer.lookups) == asked and PEER_RETRY_S >= 1.0
+        assert nodes.b.engine.statistics().store.inflight_blocks == 0
+        nodes.b.engine.store.check_invariants()
+    finally:
+        nodes.close()

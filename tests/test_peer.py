@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from conftest import REPO, Meta, wait_until
 
-from kvseal.client import EngineClient
+from kvseal.client import BlockRun, EngineClient
 from kvseal.memfd import SharedArray
 from kvseal.peer.client import PeerFetcher
 from kvseal.peer.tcp import TcpDataPlane
@@ -464,3 +464,67 @@ def test_a_holder_that_fails_is_skipped_for_the_next_within_the_fetch(
     assert c.metric("kvseal_peer_fetch_failures_total", reason="unreachable") == 1
     assert b.metric("kvseal_peer_served_blocks_total") == 8
     closer.close()
+
+
+class HybridWorker:
+    """One rank of a hybrid model on an engine: a full-attention layer and a sliding-window layer (window 33,
+    blocks of 16 tokens: a hit reads the last 2 sliding blocks), each group its own block table."""
+
+    def __init__(self, engine: EngineProcess, instance: str) -> None:
+        self.instance = instance
+        self.shared = SharedArray((2, 16, 4096))
+        self.client = EngineClient(engine.target, timeout=30, token=engine.token)
+        layers = {"model.layers.0.attn": self.shared.array[0], "model.layers.1.attn": self.shared.array[1]}
+        status = register_one_rank(
+            self.client,
+            instance,
+            self.shared,
+            layers,
+            namespace="gemma",
+            layout_tag="t",
+            dtype="uint8",
+            groups=[("full", 16, 0), ("sliding", 16, 33)],
+            group_ids={"model.layers.0.attn": 0, "model.layers.1.attn": 1},
+        )
+        self.namespace_final = status.namespace_final
+
+    def close(self) -> None:
+        self.client.close()
+        self.shared.close()
+
+
+def test_a_hybrid_models_hit_is_fetched_from_a_peer_group_by_group(
+    meta: Callable[..., Meta], engine_factory: Callable[..., EngineProcess]
+) -> None:
+    """Each group's blocks are announced under the group's store namespace; a node that misses fetches the full
+    group's run and only the sliding blocks the window still reads, and loads them byte-exact."""
+    m = meta()
+    a, c = node(engine_factory, m, "a"), node(engine_factory, m, "c")
+    on_a, on_c = HybridWorker(a, "a1"), HybridWorker(c, "c1")
+    try:
+        hs = hashes(8)
+        on_a.shared.array[:] = np.random.default_rng(7).integers(0, 256, on_a.shared.array.shape)
+        ids = list(range(8))
+        runs = [BlockRun(0, hs, [ids]), BlockRun(1, hs, [ids])]
+        assert on_a.client.save_groups((on_a.instance, 0, 0), runs).completed == 16
+        full, sliding = (f"{on_a.namespace_final}/g{g}" for g in (0, 1))
+        wait_until(lambda: announced(m, sliding, hs) == {"a": 8}, 20, "A's sliding blocks to be announced")
+        assert announced(m, full, hs) == {"a": 8}
+
+        assert on_c.namespace_final == on_a.namespace_final
+        deadline = time.monotonic() + 20
+        while (r := on_c.client.query(on_c.instance, hs, limit_tokens=8 * 16 - 1)).loading:
+            assert time.monotonic() < deadline, "still loading"
+            time.sleep(0.01)
+        assert r.hits == 7  # the prompt's last token is never served: 7 blocks of 16
+        assert c.metric("kvseal_peer_hits_total") == 7 + 2  # the full run and the window's two blocks
+        on_c.shared.array[:] = 0
+        back = [BlockRun(0, hs[:7], [ids[:7]]), BlockRun(1, hs[5:7], [ids[5:7]])]
+        loaded = on_c.client.load_groups((on_c.instance, 0, 0), back, r.lease_id)
+        assert loaded.outcome == 1 and loaded.loaded == 9, loaded
+        assert np.array_equal(on_c.shared.array[0, :7], on_a.shared.array[0, :7])
+        assert np.array_equal(on_c.shared.array[1, 5:7], on_a.shared.array[1, 5:7])
+        assert not on_c.shared.array[1, :5].any()  # the sliding blocks the window no longer reads stay unfetched
+    finally:
+        on_a.close()
+        on_c.close()

@@ -46,6 +46,14 @@ def needed_blocks(group: KvGroup, tokens: int) -> range:
     raise ValueError(f"unknown group kind {group.kind!r}")
 
 
+def judged_blocks(groups: Sequence[KvGroup], group: int, tokens: int, eagle: Collection[int], blocks: int) -> range:
+    """The blocks of groups[group] a hit of `tokens` is judged on (of the prompt's `blocks` full blocks): the
+    needed ones, and for a group an EAGLE drafter reads, the block after them (see hybrid_hit)."""
+    needed = needed_blocks(groups[group], tokens)
+    extra = _eagle_blocks(groups[group], groups[group] in {groups[i] for i in eagle})
+    return range(needed.start, min(blocks, needed.stop + extra))
+
+
 def hybrid_hit(
     groups: Sequence[KvGroup],
     present: Sequence[Sequence[bool]],

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvseal.core.hybrid import hybrid_hit, needed_blocks
+from kvseal.core.hybrid import hybrid_hit, judged_blocks, needed_blocks
 from kvseal.core.layout import (
     LayoutDifference,
     SealedInstance,
@@ -56,7 +56,7 @@ from kvseal.engine.results import (
     QueryResult,
     SaveResult,
 )
-from kvseal.engine.tiers import Continuation, PeerSource, Tiers
+from kvseal.engine.tiers import Continuation, GroupBlocks, PeerSource, Tiers
 from kvseal.errors import InvalidArgument, PermissionDenied
 from kvseal.limits import MAX_BLOCKS_PER_REQUEST, MAX_HASH_BYTES, MAX_REQUEST_ID_CHARS
 from kvseal.ssd.null import NullTier
@@ -366,6 +366,7 @@ class Engine:
             raise InvalidArgument(f"max_tokens must be >= 0, got {max_tokens}")
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidArgument(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters")
+        ask = None
         with self._lock:
             inst = self.registry.find_sealed(instance_id)
             check_access(inst, caller)
@@ -374,73 +375,145 @@ class Engine:
             cap_s = self.store.lease_ttl_s
             ttl_s = min(lease_ttl_ms / 1000, cap_s) if lease_ttl_ms else cap_s
             if _is_hybrid(sealed):
-                return self._hybrid_query(inst, sealed, hashes, max_tokens, ttl_s)
-            if max_tokens:
-                hashes = hashes[: max_tokens // sealed.layout.block_size]
-            result = self.store.query(
-                inst.ns_id, sealed.layout, hashes, owner=instance_id, shares=len(inst.workers), ttl_s=ttl_s
-            )
-            found = QueryResult(result.hits, result.lease_id, int(ttl_s * 1000), sealed.namespace_final)
-            loading = QueryResult(0, 0, int(ttl_s * 1000), sealed.namespace_final, loading=True)
-            more = Continuation.NOWHERE
-            if result.hits < len(hashes):
-                more = self.tiers.continuation(inst, hashes, result.hits)
-            if more is Continuation.LOADING:
-                if result.lease_id:
-                    self.store.release(result.lease_id, instance_id)
-                return loading
-        if more is Continuation.NOWHERE:
-            return found
-        offered = self.tiers.lookup(sealed, hashes[result.hits :])  # the MetaServer: not under the lock
+                found, ask = self._hybrid_query(inst, sealed, hashes, max_tokens, ttl_s)
+                if ask is None:
+                    return found
+            else:
+                if max_tokens:
+                    hashes = hashes[: max_tokens // sealed.layout.block_size]
+                result = self.store.query(
+                    inst.ns_id, sealed.layout, hashes, owner=instance_id, shares=len(inst.workers), ttl_s=ttl_s
+                )
+                found = QueryResult(result.hits, result.lease_id, int(ttl_s * 1000), sealed.namespace_final)
+                more = Continuation.NOWHERE
+                if result.hits < len(hashes):
+                    more = self.tiers.continuation(inst, hashes, result.hits)
+                if more is Continuation.LOADING:
+                    if result.lease_id:
+                        self.store.release(result.lease_id, instance_id)
+                    return _loading(found)
+                if more is Continuation.NOWHERE:
+                    return found
+        if ask is not None:
+            return self._hybrid_from_peers(inst, sealed, found, ask)
+        offered = self.tiers.lookup(sealed.namespace_final, hashes[result.hits :])  # the MetaServer: not locked
         with self._lock:
             if offered is not None and self.tiers.start_peer_fetch(inst, hashes, result.hits, offered):
                 if result.lease_id:
                     self.store.release(result.lease_id, instance_id)
-                return loading
+                return _loading(found)
             self.tiers.note_peer_miss(inst.ns_id, hashes[result.hits])
         return found
 
     def _hybrid_query(
         self, inst: Instance, sealed: SealedInstance, hashes: list[bytes], max_tokens: int, ttl_s: float
-    ) -> QueryResult:
+    ) -> tuple[QueryResult, _PeerAsk | None]:
         """The longest prefix every group can serve (kvseal.core.hybrid), its needed pages leased in one lease.
         `hashes` cover block_size tokens each; a group of k times that block size keys its block i by hash
         (i + 1) * k - 1 (the hash at its end). Hits count hashes. When the SSD holds what makes the hit longer,
-        those blocks are read into the pool and the answer is `loading`. Under the lock."""
+        those blocks are read into the pool and the answer is `loading`; when it does not, the answer may come
+        with what to ask other nodes for (_hybrid_from_peers). Under the lock."""
         step = sealed.layout.block_size
         limit = len(hashes) * step if not max_tokens else min(max_tokens, len(hashes) * step)
         kinds = [part.kind for part in sealed.parts]
         keys = [hashes[part.kind.block_size // step - 1 :: part.kind.block_size // step] for part in sealed.parts]
-        found = [
-            self.store.resident(ns_id, part.layout, group_keys)
-            for part, ns_id, group_keys in zip(sealed.parts, inst.ns_ids, keys, strict=True)
-        ]
-        present = [[pid is not None for pid in pids] for pids in found]
-        tokens = hybrid_hit(kinds, present, limit, sealed.eagle_groups)
+        found = self._resident_groups(inst, sealed, keys)
+        tokens = hybrid_hit(kinds, _present(found), limit, sealed.eagle_groups)
         ttl_ms = int(ttl_s * 1000)
-        if tokens < limit:
+        could = tokens < hybrid_hit(kinds, [[True] * len(k) for k in keys], limit, sealed.eagle_groups)
+        if could:  # the hit could be longer: the SSD, then other nodes
             held = [self.tiers.ssd.holds(inst.part_key(g), group_keys) for g, group_keys in enumerate(keys)]
-            either = [[a or b for a, b in zip(p, h, strict=True)] for p, h in zip(present, held, strict=True)]
+            either = [[a or b for a, b in zip(p, h, strict=True)] for p, h in zip(_present(found), held, strict=True)]
             longer = hybrid_hit(kinds, either, limit, sealed.eagle_groups)
             if longer > tokens:
-                parts = [
-                    (
-                        inst.part_key(g),
-                        part.layout,
-                        inst.ns_ids[g],
-                        [keys[g][i] for i in needed_blocks(part.kind, longer) if found[g][i] is None],
-                    )
-                    for g, part in enumerate(sealed.parts)
-                ]
+                parts = self._missing_blocks(inst, sealed, keys, found, longer)
                 if self.tiers.refill_groups(parts) is Continuation.LOADING:
-                    return QueryResult(0, 0, ttl_ms, sealed.namespace_final, loading=True)
+                    return QueryResult(0, 0, ttl_ms, sealed.namespace_final, loading=True), None
         pages: list[int] = []
         for kind, pids, ns_id in zip(kinds, found, inst.ns_ids, strict=True):
             needed = [pids[i] for i in needed_blocks(kind, tokens)]
             self.store.count_hits(ns_id, len(needed), len(pids) - len(needed))
             pages += needed  # type: ignore[arg-type]  # every needed block is present
         lease_id = self.store.lease_pages(pages, inst.instance_id, len(inst.workers), ttl_s)
-        return QueryResult(tokens // step, lease_id, ttl_ms, sealed.namespace_final)
+        found_result = QueryResult(tokens // step, lease_id, ttl_ms, sealed.namespace_final)
+        ask = None
+        dense = next((g for g, kind in enumerate(kinds) if kind.kind != "mamba"), None)
+        if could and dense is not None and tokens // kinds[dense].block_size < len(keys[dense]):
+            miss = (inst.ns_ids[dense], keys[dense][tokens // kinds[dense].block_size])
+            pid = self.store.page(*miss)
+            if pid is not None and self.store.refilling(pid):  # being fetched (or read) already
+                if lease_id:
+                    self.store.release(lease_id, inst.instance_id)
+                return _loading(found_result), None
+            if pid is None and self.tiers.may_ask_peers(inst, *miss):
+                ask = _PeerAsk(keys, limit, dense, miss)
+        return found_result, ask
+
+    def _hybrid_from_peers(
+        self, inst: Instance, sealed: SealedInstance, found: QueryResult, ask: _PeerAsk
+    ) -> QueryResult:
+        """Asks the MetaServer which node holds the longest run of the first attention group's blocks (not under
+        the lock) and fetches from it what every group needs for the hit that run allows: the attention groups'
+        needed blocks within the run, the Mamba state where it ends (a node holds the states where its steps ended;
+        when it lacks that one, the fetch gives less and the query serves what this node has). Answers `loading`
+        while the fetch runs, else `found`."""
+        offered = self.tiers.lookup(sealed.parts[ask.group].name, ask.keys[ask.group])
+        with self._lock:
+            if offered is not None and inst.sealed is sealed:
+                address, count = offered
+                kinds = [part.kind for part in sealed.parts]
+                found_pids = self._resident_groups(inst, sealed, ask.keys)
+                reach = count * kinds[ask.group].block_size  # tokens of the run the peer holds
+                assumed = [
+                    [
+                        pid is not None or kind.kind == "mamba" or (i + 1) * kind.block_size <= reach
+                        for i, pid in enumerate(pids)
+                    ]
+                    for kind, pids in zip(kinds, found_pids, strict=True)
+                ]
+                tokens = hybrid_hit(kinds, assumed, ask.limit, sealed.eagle_groups)
+                parts = self._missing_blocks(inst, sealed, ask.keys, found_pids, tokens)
+                if any(part.wanted for part in parts):
+                    if self.tiers.fetch_groups(address, parts, ask.miss) is Continuation.LOADING:
+                        if found.lease_id:
+                            self.store.release(found.lease_id, inst.instance_id)
+                        return _loading(found)
+            self.tiers.note_peer_miss(*ask.miss)
+        return found
+
+    def _resident_groups(
+        self, inst: Instance, sealed: SealedInstance, keys: list[list[bytes]]
+    ) -> list[list[int | None]]:
+        """Each group's resident page per block key (None: not resident). Under the lock."""
+        return [
+            self.store.resident(ns_id, part.layout, group_keys)
+            for part, ns_id, group_keys in zip(sealed.parts, inst.ns_ids, keys, strict=True)
+        ]
+
+    def _missing_blocks(
+        self,
+        inst: Instance,
+        sealed: SealedInstance,
+        keys: list[list[bytes]],
+        found: list[list[int | None]],
+        tokens: int,
+    ) -> list[GroupBlocks]:
+        """Per group, the blocks a hit of `tokens` is judged on that are not resident."""
+        kinds = [part.kind for part in sealed.parts]
+        return [
+            GroupBlocks(
+                inst.part_key(g),
+                part.name,
+                part.layout,
+                inst.ns_ids[g],
+                [
+                    keys[g][i]
+                    for i in judged_blocks(kinds, g, tokens, sealed.eagle_groups, len(keys[g]))
+                    if found[g][i] is None
+                ],
+            )
+            for g, part in enumerate(sealed.parts)
+        ]
 
     def release(self, instance_id: str, lease_id: int, caller: Caller) -> None:
         if lease_id <= 0:
@@ -649,6 +722,26 @@ def _check_tables(sealed: SealedInstance, w: Worker, group: int, tables: list[li
         )
     for ids in tables:
         _check_block_range(ids, w.num_blocks)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _PeerAsk:
+    """What a hybrid query that missed asks other nodes for: each group's block keys, the hit's token limit, the
+    group whose run the MetaServer is asked about, and the (store namespace, key) a failed ask is remembered by."""
+
+    keys: list[list[bytes]]
+    limit: int
+    group: int
+    miss: tuple[int, bytes]
+
+
+def _present(found: list[list[int | None]]) -> list[list[bool]]:
+    return [[pid is not None for pid in pids] for pids in found]
+
+
+def _loading(found: QueryResult) -> QueryResult:
+    """The answer while blocks are brought into the pool: no hits, no lease; the caller asks again."""
+    return QueryResult(0, 0, found.lease_ttl_ms, found.namespace_final, loading=True)
 
 
 def _is_hybrid(sealed: SealedInstance) -> bool:

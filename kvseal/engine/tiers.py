@@ -19,6 +19,7 @@ on this module's own threads and take the lock only for the store's bookkeeping.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import os
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from kvseal.core.layout import Layout, SealedInstance
+from kvseal.core.layout import Layout
 from kvseal.core.store import BlockStore, SavePlan
 from kvseal.engine.lock import TimedLock
 from kvseal.engine.memory import Arena
@@ -73,6 +74,18 @@ class PeerSource(Protocol):
     def wait_settled(self, timeout_s: float) -> bool:
         """Waits until no transfer that gave up can still write pool pages; False if one still may."""
         ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GroupBlocks:
+    """Blocks of one store namespace to bring into the pool: whose (`key`, for the SSD), under which store
+    namespace (`name` on other nodes, `ns_id` here), pages of `layout`."""
+
+    key: NamespaceKey
+    name: str
+    layout: Layout
+    ns_id: int
+    wanted: list[bytes]
 
 
 class Tiers:
@@ -134,35 +147,46 @@ class Tiers:
             return Continuation.LOADING if self.store.refilling(pid) else Continuation.NOWHERE
         if self._refill_from_ssd(inst, hashes, start):
             return Continuation.LOADING
-        if self.peers is None or inst.key[0] != tenant(os.getuid()):  # other users' blocks never leave the node
-            return Continuation.NOWHERE
-        retry_at = self._peer_misses.get((inst.ns_id, hashes[start]))
-        if retry_at is not None:
-            if time.monotonic() < retry_at:
-                return Continuation.NOWHERE
-            del self._peer_misses[(inst.ns_id, hashes[start])]
-        return Continuation.ASK_PEERS
+        return Continuation.ASK_PEERS if self.may_ask_peers(inst, inst.ns_id, hashes[start]) else Continuation.NOWHERE
 
-    def refill_groups(self, parts: Sequence[tuple[NamespaceKey, Layout, int, list[bytes]]]) -> Continuation:
-        """A hybrid query's blocks that only the SSD holds, per group as (key, layout, store namespace, hashes):
-        starts reading all of them (LOADING), or none: when one is inflight already (LOADING while it is refilled,
-        NOWHERE for a worker's save) or the pool has no room for them all (NOWHERE). Under the lock."""
-        for _, _, ns_id, wanted in parts:
-            for block_hash in wanted:
-                pid = self.store.page(ns_id, block_hash)
+    def refill_groups(self, parts: Sequence[GroupBlocks]) -> Continuation:
+        """A hybrid query's blocks that only the SSD holds: starts reading all of them (LOADING), or none: when one
+        is inflight already (LOADING while it is refilled, NOWHERE for a worker's save) or the pool has no room for
+        them all (NOWHERE). Under the lock."""
+        plans = self._begin_group_refills(parts)
+        if isinstance(plans, Continuation):
+            return plans
+        for part, plan in zip(parts, plans, strict=True):
+            self._refills.submit(self._refill, part.key, part.layout, [part.wanted[k] for k in plan.positions], plan)
+        return Continuation.LOADING
+
+    def fetch_groups(self, address: str, parts: Sequence[GroupBlocks], miss: tuple[int, bytes]) -> Continuation:
+        """Like refill_groups, from the peer at `address`: one fetch per group, in one job; a peer that gives less
+        of any group notes `miss` (store namespace, hash) so that the query is not asked again at once."""
+        plans = self._begin_group_refills(parts)
+        if isinstance(plans, Continuation):
+            return plans
+        jobs = [(part, [part.wanted[k] for k in plan.positions], plan) for part, plan in zip(parts, plans, strict=True)]
+        assert self._fetches is not None
+        self._fetches.submit(self._fetch_groups, address, jobs, miss)
+        return Continuation.LOADING
+
+    def _begin_group_refills(self, parts: Sequence[GroupBlocks]) -> list[SavePlan] | Continuation:
+        """Inflight pages for every group's wanted blocks, or none (then where the blocks are: see refill_groups)."""
+        for part in parts:
+            for block_hash in part.wanted:
+                pid = self.store.page(part.ns_id, block_hash)
                 if pid is not None:
                     return Continuation.LOADING if self.store.refilling(pid) else Continuation.NOWHERE
-        plans = []
-        for key, layout, ns_id, wanted in parts:
-            plan = self.store.begin_refill(ns_id, layout, wanted, (1 << layout.num_slots) - 1)
-            plans.append((key, layout, wanted, plan))
-            if len(plan.pages) < len(wanted):
-                for *_, started in plans:
+        plans: list[SavePlan] = []
+        for part in parts:
+            plan = self.store.begin_refill(part.ns_id, part.layout, part.wanted, (1 << part.layout.num_slots) - 1)
+            plans.append(plan)
+            if len(plan.pages) < len(part.wanted):
+                for started in plans:
                     self.store.finish_refill(started, ok=False)
                 return Continuation.NOWHERE
-        for key, layout, wanted, plan in plans:
-            self._refills.submit(self._refill, key, layout, [wanted[k] for k in plan.positions], plan)
-        return Continuation.LOADING
+        return plans
 
     def _begin_refill(self, inst: Instance, wanted: list[bytes]) -> SavePlan | None:
         """Inflight pages for a refill of `wanted` (full cell mask), or None when the first cannot be had."""
@@ -213,10 +237,23 @@ class Tiers:
 
     # ---------------------------------------------------------------- from peers (other nodes)
 
-    def lookup(self, sealed: SealedInstance, hashes: list[bytes]) -> tuple[str, int] | None:
+    def lookup(self, namespace_final: str, hashes: list[bytes]) -> tuple[str, int] | None:
         """Which peer holds the longest prefix of `hashes` (the MetaServer is asked: not under the lock)."""
         assert self.peers is not None
-        return self.peers.lookup(sealed.namespace_final, hashes)
+        return self.peers.lookup(namespace_final, hashes)
+
+    def may_ask_peers(self, inst: Instance, ns_id: int, first_missing: bytes) -> bool:
+        """Whether a query missing `first_missing` (in store namespace `ns_id`) may ask other nodes: there are
+        some, the blocks are the engine's own user's, and no peer failed to give them moments ago. Under the lock."""
+        if self.peers is None or inst.key[0] != tenant(os.getuid()):  # other users' blocks never leave the node
+            return False
+        retry_at = self._peer_misses.get((ns_id, first_missing))
+        if retry_at is None:
+            return True
+        if time.monotonic() < retry_at:
+            return False
+        del self._peer_misses[(ns_id, first_missing)]
+        return True
 
     def start_peer_fetch(self, inst: Instance, hashes: list[bytes], start: int, offered: tuple[str, int]) -> bool:
         """Starts fetching hashes[start : start + count] from the peer at `address`. Under the lock."""
@@ -228,30 +265,43 @@ class Tiers:
         if plan is None:
             return False
         assert self._fetches is not None
-        hashes = [wanted[k] for k in plan.positions]
-        self._fetches.submit(self._fetch, inst.key, inst.sealed, address, hashes, plan)
+        part = GroupBlocks(inst.key, inst.sealed.namespace_final, inst.sealed.layout, inst.ns_id, wanted)
+        self._fetches.submit(self._fetch_prefix, address, part, [wanted[k] for k in plan.positions], plan)
         return True
 
-    def _fetch(
-        self, key: NamespaceKey, sealed: SealedInstance, address: str, hashes: list[bytes], plan: SavePlan
+    def _fetch_prefix(self, address: str, part: GroupBlocks, hashes: list[bytes], plan: SavePlan) -> None:
+        got = self._fetch(address, part, hashes, plan)
+        if got < len(hashes):
+            with self._lock:
+                self.note_peer_miss(plan.namespace_id, hashes[got])
+
+    def _fetch_groups(
+        self, address: str, jobs: list[tuple[GroupBlocks, list[bytes], SavePlan]], miss: tuple[int, bytes]
     ) -> None:
+        short = False
+        for part, hashes, plan in jobs:
+            short |= self._fetch(address, part, hashes, plan) < len(hashes)
+        if short:
+            with self._lock:
+                self.note_peer_miss(*miss)
+
+    def _fetch(self, address: str, part: GroupBlocks, hashes: list[bytes], plan: SavePlan) -> int:
         """Fetches a peer's pages into the refill's inflight pages; seals the leading pages that arrived whole and
-        verified, and writes them through to SSD. Any failure is a miss of the rest, never a partial page."""
+        verified, and writes them through to SSD. Any failure is a miss of the rest, never a partial page. Returns
+        how many arrived."""
         assert self.peers is not None
-        layout = sealed.layout
+        layout = part.layout
         destinations = [self.arena.bytes[at : at + layout.page_bytes].data for at in plan.offsets]
         unsettled = False
         try:
-            got, unsettled = self.peers.fetch(
-                address, sealed.namespace_final, layout, hashes, plan.offsets, destinations
-            )
+            got, unsettled = self.peers.fetch(address, part.name, layout, hashes, plan.offsets, destinations)
         except Exception:
             log.exception("peer fetch from %s failed", address)
             got = 0
         good = [i < got for i in range(len(hashes))]
         if unsettled:  # a transfer that timed out may still write the pages it was given: not to be reused yet
             kept, dropped = self.store.split_plan(plan, good)
-            self._finish_refill(key, layout, kept, [True] * len(kept.pages), new=True)
+            self._finish_refill(part.key, layout, kept, [True] * len(kept.pages), new=True)
             with self._lock:
                 self.store.abandon_refill(dropped)  # queries see the miss at once; the pages stay reserved
             if not self.peers.wait_settled(SETTLE_S):
@@ -259,10 +309,8 @@ class Tiers:
             with self._lock:
                 self.store.finish_refill(dropped, ok=False)
         else:
-            self._finish_refill(key, layout, plan, good, new=True)
-        if got < len(hashes):
-            with self._lock:
-                self.note_peer_miss(plan.namespace_id, hashes[got])
+            self._finish_refill(part.key, layout, plan, good, new=True)
+        return got
 
     def note_peer_miss(self, ns_id: int, first_missing: bytes) -> None:
         """No peer gave the blocks from `first_missing` on: do not ask again for PEER_RETRY_S. Under the lock."""
