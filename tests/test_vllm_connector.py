@@ -506,9 +506,10 @@ def test_extra_config_is_one_frozen_config_and_errors_name_the_key(v: types.Simp
             "kvseal.engine_uid": "0",
             "kvseal.pd_timeout_s": 7,
             "kvseal.sync_load_bytes": 0,
+            "kvseal.window_retention_tokens": 4096,
         }
     )
-    assert full == v.compat.KVSealConfig("unix:/run/kvseal.sock", "load_only", "m", "t", 2.5, 0, 7.0, 0)
+    assert full == v.compat.KVSealConfig("unix:/run/kvseal.sock", "load_only", "m", "t", 2.5, 0, 7.0, 0, 4096)
     assert v.compat.KVSealConfig.from_extra({"kvseal.namespace": ""}).namespace is None  # the model's identity
     for key, bad, message in (
         ("kvseal.mode", "read", "kvseal.mode must be one of ('read_write', 'save_only', 'load_only'), got 'read'"),
@@ -518,6 +519,11 @@ def test_extra_config_is_one_frozen_config_and_errors_name_the_key(v: types.Simp
             "kvseal.sync_load_bytes",
             True,
             "kvseal.sync_load_bytes must be a non-negative whole number of bytes, got True",
+        ),
+        (
+            "kvseal.window_retention_tokens",
+            -1,
+            "kvseal.window_retention_tokens must be a non-negative whole number of tokens, got -1",
         ),
     ):
         with pytest.raises(ValueError) as refused:

@@ -220,6 +220,25 @@ def test_a_mid_prompt_prefix_hits_from_kvseal_after_vllms_own_cache_forgot_it(
         assert max(abs(x - y) for x, y in zip(got, want, strict=True)) <= 1e-4
 
 
+def test_window_retention_saves_a_windows_blocks_only_near_the_prompts_end(
+    engine: EngineProcess, models: dict[str, Path]
+) -> None:
+    """kvseal.window_retention_tokens = 384 (the window and a block): Gemma 3's sliding blocks are saved only where
+    they end in a prompt's last 384 tokens. The prompt itself hits again whole; a prompt sharing only A's first three
+    blocks gets nothing (the window before 384 tokens was not kept), and both answer as vLLM alone."""
+    a = prompts(seed=77, n=1, length=700)[0]
+    b = a[: 3 * BLOCK] + prompts(seed=78, n=1, length=60)[0]
+    model = str(models["gemma3"])
+    baseline = run_vllm({"model": model, "prompts": [a, b], "engine": None})
+    common = {"model": model, "engine": engine.target, "window_retention_tokens": 3 * BLOCK}
+    assert run_vllm(common | {"prompts": [a]})["outputs"] == baseline["outputs"][:1]
+    blocks = sorted(ns["resident_blocks"] for ns in engine.get_json("/v1/namespaces"))
+    assert blocks == [3, 5]  # the window's blocks 2..4 (ending after 700 - 384 tokens); all five global ones
+    warm = run_vllm(common | {"prompts": [a, b]})
+    assert warm["cached_tokens"] == [5 * BLOCK, 0]
+    assert warm["outputs"] == baseline["outputs"]
+
+
 def test_the_same_model_with_vllms_hybrid_manager_off_never_shares_its_blocks(
     engine: EngineProcess, models: dict[str, Path]
 ) -> None:

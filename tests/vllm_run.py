@@ -55,7 +55,7 @@ def main() -> None:
         )
     elif args.get("engine"):
         extra = {"kvseal.engine": args["engine"]}
-        for key in ("namespace", "mode", "timeout_s", "pd_timeout_s", "sync_load_bytes"):
+        for key in ("namespace", "mode", "timeout_s", "pd_timeout_s", "sync_load_bytes", "window_retention_tokens"):
             if args.get(key) is not None:
                 extra[f"kvseal.{key}"] = args[key]
         kwargs["kv_transfer_config"] = KVTransferConfig(

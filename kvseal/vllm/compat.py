@@ -50,6 +50,7 @@ class KVSealConfig:
     engine_uid: int | None = None  # the engine's user, when it is neither root nor vLLM's
     pd_timeout_s: float = DEFAULT_PD_TIMEOUT_S  # how long a prefill holds its blocks for the decode instance
     sync_load_bytes: int = DEFAULT_SYNC_LOAD_BYTES  # loads up to this size per worker run synchronously
+    window_retention_tokens: int = 0  # sliding/chunked blocks saved: those ending in a prompt's last N tokens (0: all)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> KVSealConfig:
@@ -64,7 +65,8 @@ class KVSealConfig:
             timeout_s=_seconds(extra, "kvseal.timeout_s", DEFAULT_TIMEOUT_S),
             engine_uid=_engine_uid(extra),
             pd_timeout_s=_seconds(extra, "kvseal.pd_timeout_s", DEFAULT_PD_TIMEOUT_S),
-            sync_load_bytes=_bytes(extra, "kvseal.sync_load_bytes", DEFAULT_SYNC_LOAD_BYTES),
+            sync_load_bytes=_whole(extra, "kvseal.sync_load_bytes", DEFAULT_SYNC_LOAD_BYTES, "bytes"),
+            window_retention_tokens=_whole(extra, "kvseal.window_retention_tokens", 0, "tokens"),
         )
 
 
@@ -80,11 +82,11 @@ def _seconds(extra: Mapping[str, Any], key: str, default: float) -> float:
     return seconds
 
 
-def _bytes(extra: Mapping[str, Any], key: str, default: int) -> int:
-    """A non-negative whole number of bytes from the extra config, or ValueError naming the key."""
+def _whole(extra: Mapping[str, Any], key: str, default: int, unit: str) -> int:
+    """A non-negative whole number (of `unit`) from the extra config, or ValueError naming the key."""
     value = extra.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{key} must be a non-negative whole number of bytes, got {value!r}")
+        raise ValueError(f"{key} must be a non-negative whole number of {unit}, got {value!r}")
     return value
 
 

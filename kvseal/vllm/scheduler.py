@@ -196,11 +196,16 @@ class SchedulerSide:
         self._record(request).claim = _Claim(start, hits, q.lease_id, sync)
         return hits * step, not sync
 
-    def _runs(self, request: Request, group_block_ids: Any, start: int, end: int, state_at: int) -> list[BlockRun]:
+    def _runs(
+        self, request: Request, group_block_ids: Any, start: int, end: int, state_at: int, *, save: bool = False
+    ) -> list[BlockRun]:
         """Per kvseal group, its full blocks within tokens [start, end) that vLLM gave a real block in every table
         (the null block stands where a window needs nothing), keyed by the hash at each block's end. A Mamba group's
         block holds a state only where a step ended, `state_at` tokens (the hit's end for a load): its one block
-        ending there, if any."""
+        ending there, if any. `save` with kvseal.window_retention_tokens = N: a window's or chunk's blocks only
+        where they end within the prompt's last N tokens (or after it)."""
+        retained = self.config.window_retention_tokens
+        thin_below = max(0, request.num_prompt_tokens - retained) if save and retained else 0
         step = self.stored.hash_block_size
         hashes = request.block_hashes
         runs = []
@@ -211,6 +216,8 @@ class SchedulerSide:
             first = start // b
             if kind.kind == "mamba":
                 first = state_at // b - 1 if state_at % b == 0 else stop
+            elif kind.kind != "full":
+                first = max(first, thin_below // b)
             kept = [i for i in range(first, stop) if all(ids[i] != NULL_BLOCK_ID for ids in tables)]
             if kept:
                 runs.append(
@@ -294,7 +301,7 @@ class SchedulerSide:
         if state.group_block_ids is not None:
             end = min(done, len(state.request.block_hashes) * self.stored.hash_block_size)
             if end > state.saved_tokens and state.group_block_ids:
-                runs = self._runs(state.request, state.group_block_ids, state.saved_tokens, end, done)
+                runs = self._runs(state.request, state.group_block_ids, state.saved_tokens, end, done, save=True)
                 meta.save_runs.extend(runs)
                 state.saved_tokens = end
             return
