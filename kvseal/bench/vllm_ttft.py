@@ -13,11 +13,14 @@ What runs (each vLLM run is a fresh process: `python -m kvseal.bench.vllm_ttft_r
                    blocks from SSD (the connector asks again while the engine answers `loading`). Against `base`,
                    this answers: is an SSD hit faster than recomputing the prefix?
 
-Model: a Llama built here with random weights (kvseal.bench.vllm_ttft_model: hidden 1024, 8 layers, 16 heads of 64,
-4 KV heads, MLP 2816, vocabulary 32000; 90 M parameters in the layers, 156 M with the embedding and LM head),
-cached in --model-dir and reused. fp32 weights, activations and KV cache (so greedy outputs must be bit-equal
-across runs), block_size 128, prefix caching on, enforce_eager, VLLM_ENABLE_V1_MULTIPROCESSING=0 (scheduler,
-worker and both connector roles in one process), VLLM_CPU_KVCACHE_SPACE=2.
+Model (--arch llama, the default): a Llama built here with random weights (kvseal.bench.vllm_ttft_model: hidden
+1024, 8 layers, 16 heads of 64, 4 KV heads, MLP 2816, vocabulary 32000; 90 M parameters in the layers, 156 M with
+the embedding and LM head), cached in --model-dir and reused. --arch gemma3: Gemma 3 of the same shape, six of its
+eight layers with a 512-token sliding window (vLLM's hybrid manager stays on with kvseal; ExampleConnector turns
+it off), cached in the directory --model-dir with "-gemma3" appended. fp32 weights, activations and KV cache (so
+greedy outputs must be bit-equal across runs), block_size 128, prefix caching on, enforce_eager,
+VLLM_ENABLE_V1_MULTIPROCESSING=0 (scheduler, worker and both connector roles in one process),
+VLLM_CPU_KVCACHE_SPACE=2.
 Single-threaded: OMP_NUM_THREADS=1, VLLM_CPU_OMP_THREADS_BIND=<--vllm-cpu> and the process pinned there with
 taskset; `kvseal serve` (pool --pool-size, pre-faulted) is pinned to the other CPUs.
 
@@ -133,12 +136,12 @@ def run_vllm(name: str, args: dict[str, Any], workdir: Path, vllm_cpu: str) -> d
     raise RuntimeError(f"vLLM run {name!r} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{tail}")
 
 
-def ensure_model(model_dir: Path) -> str:
-    if vllm_ttft_model.is_built(model_dir):
+def ensure_model(model_dir: Path, arch: str = "llama") -> str:
+    if vllm_ttft_model.is_built(model_dir, arch):
         return f"reused {model_dir}"
     start = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "kvseal.bench.vllm_ttft_model", str(model_dir)],
+        [sys.executable, "-m", "kvseal.bench.vllm_ttft_model", str(model_dir), arch],
         check=True,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
         stdout=subprocess.DEVNULL,
@@ -159,7 +162,7 @@ def rpc_sum(m: dict[str, float], method: str, what: str = "sum") -> float:
 
 def main(a: argparse.Namespace) -> int:
     """Runs the benchmark with `kvseal bench vllm_ttft`'s options (kvseal.cli): prompts, prompt_len, max_tokens,
-    model_dir, pool_size, vllm_cpu, engine_cpus, workdir, report, ssd, plot."""
+    model_dir, arch, pool_size, vllm_cpu, engine_cpus, workdir, report, ssd, plot."""
     if a.plot:
         try:
             import matplotlib  # noqa: F401
@@ -186,13 +189,15 @@ def main(a: argparse.Namespace) -> int:
         f"vLLM TTFT benchmark: {a.prompts} prompts x {a.prompt_len} tokens, max_tokens {a.max_tokens}, fp32, "
         f"block 128; vLLM on CPU {a.vllm_cpu} (1 thread), kvseal serve on CPUs {engine_cpus or 'any'}"
     )
-    print(f"model: {ensure_model(a.model_dir)}", flush=True)
-    info = json.loads((a.model_dir / "bench_info.json").read_text())
+    model_dir = a.model_dir if a.arch == "llama" else a.model_dir.with_name(f"{a.model_dir.name}-{a.arch}")
+    print(f"model: {ensure_model(model_dir, a.arch)}", flush=True)
+    info = json.loads((model_dir / "bench_info.json").read_text())
     shape = vllm_ttft_model.SHAPE
+    window = f", a {vllm_ttft_model.WINDOW}-token window on 6 of the 8 layers" if a.arch == "gemma3" else ""
     print(
-        f"  Llama hidden {shape['hidden']}, {shape['layers']} layers, {shape['heads']} heads x {shape['head_dim']}, "
+        f"  {a.arch} hidden {shape['hidden']}, {shape['layers']} layers, {shape['heads']} heads x {shape['head_dim']}, "
         f"{shape['kv_heads']} KV heads, MLP {shape['intermediate']}, vocab {info['vocab']}: "
-        f"{info['layer_params'] / 1e6:.0f} M parameters in the layers, {info['params'] / 1e6:.0f} M in all"
+        f"{info['layer_params'] / 1e6:.0f} M parameters in the layers, {info['params'] / 1e6:.0f} M in all{window}"
     )
     print(f"logs: {workdir}", flush=True)
 
@@ -225,7 +230,7 @@ def main(a: argparse.Namespace) -> int:
                 ready = engine.wait_ready(START_TIMEOUT_S)
                 print(f"kvseal serve restarted on its SSD tier, ready in {ready:.1f} s", flush=True)
             args = {
-                "model": str(a.model_dir),
+                "model": str(model_dir),
                 "prompts": prompts,
                 "warmup": warmup,
                 "connector": connector,

@@ -4,6 +4,10 @@ its own generate() call, one `RESULT {json}` line on stdout.
     python -m kvseal.bench.vllm_ttft_run '{"model": DIR, "prompts": [[ids...], ...],
         "connector": "none"|"kvseal"|"example", "engine": "127.0.0.1:PORT", "storage": DIR, "warmup": [[ids...], ...]}'
 
+Optional: "hma": false (vLLM's hybrid KV cache manager off), "kvseal": {"kvseal.KEY": value, ...} (more connector
+config), "block_size", "max_model_len", "max_tokens", "repeat". The RESULT also carries num_gpu_blocks (vLLM's KV
+capacity in blocks).
+
 Per measured request: ttft_s = RequestOutput.metrics.first_token_latency (vLLM's own TTFT: the time from the
 request's arrival in LLM.generate() to the engine step that produced its first token, so queueing, the connector's
 query and an asynchronous load are inside it), queued_s (SCHEDULED - QUEUED engine events), prefill_s
@@ -107,10 +111,12 @@ def main() -> None:
             kv_connector="KVSealConnector",
             kv_connector_module_path="kvseal.vllm",
             kv_role="kv_both",
-            kv_connector_extra_config={"kvseal.engine": args["engine"]},
+            kv_connector_extra_config={"kvseal.engine": args["engine"], **args.get("kvseal", {})},
         )
     elif connector != "none":
         raise SystemExit(f"unknown connector {connector!r}")
+    if args.get("hma") is False:
+        kwargs["disable_hybrid_kv_cache_manager"] = True
     t1 = time.perf_counter()
     llm = LLM(**kwargs)
     startup_s = time.perf_counter() - t1
@@ -149,6 +155,7 @@ def main() -> None:
         "warmup": warmup,
         "requests": requests,
         "repeats": repeats,
+        "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
     }
     print("RESULT " + json.dumps(result), flush=True)
 

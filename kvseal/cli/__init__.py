@@ -1,6 +1,6 @@
 """The `kvseal` command: `kvseal serve` runs the engine; `kvseal namespaces` shows (or purges) what it holds;
 `kvseal ssd inspect` reads an SSD tier directory offline; `kvseal bench NAME` runs a benchmark of kvseal/bench
-(engine, ssd, peer, cuda, store_ops, vllm_ttft, pd, mooncake)."""
+(engine, ssd, peer, cuda, store_ops, vllm_ttft, hybrid, pd, mooncake)."""
 
 from __future__ import annotations
 

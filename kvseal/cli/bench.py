@@ -42,13 +42,22 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="prefill/decode through kvseal router and real vLLM servers",
         description="Prefill/decode disaggregation through kvseal on one node (kvseal.bench.pd)",
     )
-    for p in (ttft, pd):
+    hybrid = which.add_parser(
+        "hybrid",
+        help="a hybrid model's KV capacity and bytes stored with kvseal (Gemma 3 vs Llama)",
+        description="vLLM's KV capacity with kvseal attached, without a connector and with vLLM's hybrid manager "
+        "off, and the bytes kvseal stores per 1k prompt tokens (kvseal.bench.hybrid)",
+    )
+    for p in (ttft, pd, hybrid):
         what = "case" if p is pd else "run"
         p.add_argument("--prompts", type=int, default=5, help=f"distinct measured prompts per {what} (default 5)")
         p.add_argument("--prompt-len", type=int, default=1900, help="tokens per prompt (default 1900)")
         p.add_argument("--max-tokens", type=int, default=8, help="greedy output tokens per request (default 8)")
         p.add_argument("--model-dir", type=Path, default=model_dir)
         p.add_argument("--pool-size", default="1GiB", help="kvseal serve --pool-size (default 1GiB)")
+    ttft.add_argument(
+        "--arch", choices=("llama", "gemma3"), default="llama", help="the benchmark model (default llama)"
+    )
     ttft.add_argument("--vllm-cpu", default="0", help="the CPU the vLLM process runs on (default 0)")
     ttft.add_argument("--engine-cpus", default=None, help="CPUs for kvseal serve (default: all but --vllm-cpu)")
     ttft.add_argument("--workdir", type=Path, default=None, help="logs and ExampleConnector files (default: temp)")
@@ -57,8 +66,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     ttft.add_argument("--ssd", type=Path, default=None, help="also measure hits from an SSD tier in this directory")
     ttft.add_argument("--plot", type=Path, default=None, help="draw the TTFT bars with the floor (needs matplotlib)")
-    pd.add_argument("--vllm-cpu", default="0", help="the CPU the vLLM servers run on (default 0)")
-    pd.add_argument("--workdir", type=Path, default=None, help="logs (default: a temporary directory)")
+    for p in (pd, hybrid):
+        p.add_argument("--vllm-cpu", default="0", help="the CPU vLLM runs on (default 0)")
+        p.add_argument("--workdir", type=Path, default=None, help="logs (default: a temporary directory)")
 
     mooncake = which.add_parser(
         "mooncake",
@@ -75,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
         from kvseal.bench import vllm_ttft as bench_vllm_ttft
 
         return bench_vllm_ttft.main(args)
+    if args.what == "hybrid":
+        from kvseal.bench import hybrid as bench_hybrid
+
+        return bench_hybrid.main(args)
     if args.what == "pd":
         from kvseal.bench import pd as bench_pd
 
