@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from aiohttp import web
 from conftest import REPO, Meta, free_port, wait_until
 
 from kvseal import cli
-from kvseal.core.layout import LayerGeometry, Layout, build_layout, namespace_final
+from kvseal.core.layout import KvGroup, LayerGeometry, Layout, build_layout, namespace_final
 from kvseal.router.legs import REMOTE_DECODE_PARAMS, decode_candidates, explain_incompatibility
 from kvseal.router.pool import Instance, KvLayout, LeastInflight, RoundRobin
 
@@ -635,6 +635,14 @@ def test_decode_candidates_compatible_first_then_unknown_never_incompatible() ->
     assert decode_candidates(x, [other]) == ([], [other])
     assert decode_candidates(None, [other, unknown]) == ([other, unknown], [])
     assert explain_incompatibility(y, x) == "layer 'model.layers.2.mtp.attn' only in prefill"
+    # a hybrid model's groups are part of the layout: another window is another layout, named by its group
+    gemma = [replace(g, group_id=i) for i, g in enumerate(BASE)]
+    p, d = (
+        KvLayout(namespace_final("gemma", lay), lay.descriptor.decode())
+        for lay in (build_layout(16, 1, gemma, (KvGroup("sliding", 16, w), KvGroup("full", 16))) for w in (512, 4096))
+    )
+    assert decode_candidates(p, [Instance("d", layout=d)])[0] == []
+    assert explain_incompatibility(p, d) == "group 0: prefill 'sliding 512 x16', decode 'sliding 4096 x16'"
     # one layout under two namespaces (another model): only the names differ
     renamed = KvLayout(namespace_final("qwen", LAYOUT_X), x.descriptor)
     assert (
