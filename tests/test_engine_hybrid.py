@@ -41,12 +41,18 @@ GROUP_KINDS = st.tuples(
 
 
 class Hybrid:
-    def __init__(self, groups: tuple[KvGroup, ...], eagle: tuple[int, ...] = (), ssd: DiskTier | None = None) -> None:
+    def __init__(
+        self,
+        groups: tuple[KvGroup, ...],
+        eagle: tuple[int, ...] = (),
+        ssd: DiskTier | None = None,
+        pool_bytes: int = 16 << 20,
+    ) -> None:
         self.groups = groups
         self.shared = SharedArray((len(LAYERS) * BLOCKS, SLOT))
         self.memory = self.shared.array
         self.views = {name: self.memory[i * BLOCKS : (i + 1) * BLOCKS] for i, name in enumerate(LAYERS)}
-        self.engine = Engine(16 << 20, slab_bytes=1 << 20, ssd=ssd)
+        self.engine = Engine(pool_bytes, slab_bytes=1 << 20, ssd=ssd)
         status = register_one_rank(
             self.engine,
             "h",
@@ -224,6 +230,40 @@ def test_a_restarted_engine_refills_every_group_the_hit_needs_from_ssd() -> None
         second.engine.store.check_invariants()
     finally:
         second.close()
+
+
+def test_a_refill_under_memory_pressure_never_evicts_what_the_hit_already_has() -> None:
+    """A full pool (one slab of 256-byte pages, the full group's and the Mamba group's) holds every block of the hit
+    but the Mamba state, which is on SSD: reading it back takes a page, and the resident blocks the hit needs are
+    pinned meanwhile, so the LRU page that goes is another's. One `loading`, then the whole hit."""
+    kinds = (KvGroup("full", 4), KvGroup("sliding", 4, 9), KvGroup("mamba", 8))
+    tier = DiskTier([MemoryDevice(16 << 20, 512 << 10)], batch_bytes=64 << 10)
+    tier.open()
+    h = Hybrid(kinds, ssd=tier, pool_bytes=2 << 20)  # one slab per page size: 256 and 512 bytes
+    try:
+        hs = prompt(8)
+        per_slab = (1 << 20) // SLOT
+        assert h.engine.save_groups(WORKER, [(2, [hs[7]], [[20]])], SESSION).completed == 1  # the oldest page
+        assert h.engine.save_groups(WORKER, [(0, hs, [list(range(8))]), (1, hs, [list(range(8))] * 2)], SESSION)
+        tier.flush()
+        others = prompt(per_slab - 8, salt=1)  # fills the slab: the Mamba state, the LRU page, is evicted
+        assert h.engine.save_groups(WORKER, [(0, others, [[0] * len(others)])], SESSION).completed == len(others)
+        tier.flush()  # written through: no longer pinned for the writer
+        inst = h.engine.registry.find_sealed("h")
+        assert inst.sealed is not None
+        assert h.engine.store.resident(inst.ns_ids[2], inst.sealed.parts[2].layout, [hs[7]]) == [None]
+        reads = tier.statistics().reads
+        deadline = time.monotonic() + 30
+        loading = 0
+        while (q := h.engine.query("h", hs, SESSION.caller, max_tokens=32)).loading:
+            loading += 1
+            assert time.monotonic() < deadline, "the refill did not finish"
+            time.sleep(0.001)  # a bounded wait on the refill thread
+        assert loading >= 1 and q.hits == 8
+        assert tier.statistics().reads - reads == 1  # the state alone: no block of the hit was evicted for it
+        h.engine.store.check_invariants()
+    finally:
+        h.close()
 
 
 class _PeerNodes:

@@ -13,6 +13,7 @@ to it, even if the worker is dropped meanwhile (the views keep the mapping alive
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -426,8 +427,7 @@ class Engine:
             either = [[a or b for a, b in zip(p, h, strict=True)] for p, h in zip(_present(found), held, strict=True)]
             longer = hybrid_hit(kinds, either, limit, sealed.eagle_groups)
             if longer > tokens:
-                parts = self._missing_blocks(inst, sealed, keys, found, longer)
-                if self.tiers.refill_groups(parts) is Continuation.LOADING:
+                if self._bring_in(inst, sealed, keys, found, longer, self.tiers.refill_groups) is Continuation.LOADING:
                     return QueryResult(0, 0, ttl_ms, sealed.namespace_final, loading=True), None
         pages: list[int] = []
         for kind, pids, ns_id in zip(kinds, found, inst.ns_ids, strict=True):
@@ -472,12 +472,11 @@ class Engine:
                     for kind, pids in zip(kinds, found_pids, strict=True)
                 ]
                 tokens = hybrid_hit(kinds, assumed, ask.limit, sealed.eagle_groups)
-                parts = self._missing_blocks(inst, sealed, ask.keys, found_pids, tokens)
-                if any(part.wanted for part in parts):
-                    if self.tiers.fetch_groups(address, parts, ask.miss) is Continuation.LOADING:
-                        if found.lease_id:
-                            self.store.release(found.lease_id, inst.instance_id)
-                        return _loading(found)
+                fetch = functools.partial(self.tiers.fetch_groups, address, miss=ask.miss)
+                if self._bring_in(inst, sealed, ask.keys, found_pids, tokens, fetch) is Continuation.LOADING:
+                    if found.lease_id:
+                        self.store.release(found.lease_id, inst.instance_id)
+                    return _loading(found)
             self.tiers.note_peer_miss(*ask.miss)
         return found
 
@@ -489,6 +488,35 @@ class Engine:
             self.store.resident(ns_id, part.layout, group_keys)
             for part, ns_id, group_keys in zip(sealed.parts, inst.ns_ids, keys, strict=True)
         ]
+
+    def _bring_in(
+        self,
+        inst: Instance,
+        sealed: SealedInstance,
+        keys: list[list[bytes]],
+        found: list[list[int | None]],
+        tokens: int,
+        start: Callable[[list[GroupBlocks]], Continuation],
+    ) -> Continuation:
+        """Starts bringing into the pool (`start`: from the SSD or a peer) the blocks a hit of `tokens` is judged
+        on that are not resident. The resident ones are pinned meanwhile, so that the pages taken for the others
+        are never theirs (else the next query would miss those and start over). Under the lock."""
+        parts = self._missing_blocks(inst, sealed, keys, found, tokens)
+        if not any(part.wanted for part in parts):
+            return Continuation.NOWHERE
+        kinds = [part.kind for part in sealed.parts]
+        resident = [
+            pid
+            for g, pids in enumerate(found)
+            for i in judged_blocks(kinds, g, tokens, sealed.eagle_groups, len(pids))
+            if (pid := pids[i]) is not None
+        ]
+        hold = self.store.lease_pages(resident, REFILL_OWNER, 1)
+        try:
+            return start(parts)
+        finally:
+            if hold:
+                self.store.release(hold, REFILL_OWNER)
 
     def _missing_blocks(
         self,
@@ -722,6 +750,9 @@ def _check_tables(sealed: SealedInstance, w: Worker, group: int, tables: list[li
         )
     for ids in tables:
         _check_block_range(ids, w.num_blocks)
+
+
+REFILL_OWNER = "kvseal.refill"  # the lease that keeps a hybrid hit's resident pages while the rest is brought in
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
