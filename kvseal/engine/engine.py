@@ -422,6 +422,8 @@ class Engine:
         tokens = hybrid_hit(kinds, _present(found), limit, sealed.eagle_groups)
         ttl_ms = int(ttl_s * 1000)
         could = tokens < hybrid_hit(kinds, [[True] * len(k) for k in keys], limit, sealed.eagle_groups)
+        if could and self._refilling(inst, keys, found):  # read from SSD or fetched: ask again
+            return QueryResult(0, 0, ttl_ms, sealed.namespace_final, loading=True), None
         if could:  # the hit could be longer: the SSD, then other nodes
             held = [self.tiers.ssd.holds(inst.part_key(g), group_keys) for g, group_keys in enumerate(keys)]
             either = [[a or b for a, b in zip(p, h, strict=True)] for p, h in zip(_present(found), held, strict=True)]
@@ -440,12 +442,7 @@ class Engine:
         dense = next((g for g, kind in enumerate(kinds) if kind.kind != "mamba"), None)
         if could and dense is not None and tokens // kinds[dense].block_size < len(keys[dense]):
             miss = (inst.ns_ids[dense], keys[dense][tokens // kinds[dense].block_size])
-            pid = self.store.page(*miss)
-            if pid is not None and self.store.refilling(pid):  # being fetched (or read) already
-                if lease_id:
-                    self.store.release(lease_id, inst.instance_id)
-                return _loading(found_result), None
-            if pid is None and self.tiers.may_ask_peers(inst, *miss):
+            if self.store.page(*miss) is None and self.tiers.may_ask_peers(inst, *miss):
                 ask = _PeerAsk(keys, limit, dense, miss)
         return found_result, ask
 
@@ -488,6 +485,14 @@ class Engine:
             self.store.resident(ns_id, part.layout, group_keys)
             for part, ns_id, group_keys in zip(sealed.parts, inst.ns_ids, keys, strict=True)
         ]
+
+    def _refilling(self, inst: Instance, keys: list[list[bytes]], found: list[list[int | None]]) -> bool:
+        """Whether a block of the prompt that is not resident is being read from SSD or fetched. Under the lock."""
+        for ns_id, group_keys, pids in zip(inst.ns_ids, keys, found, strict=True):
+            for key, pid in zip(group_keys, pids, strict=True):
+                if pid is None and (page := self.store.page(ns_id, key)) is not None and self.store.refilling(page):
+                    return True
+        return False
 
     def _bring_in(
         self,
