@@ -184,7 +184,7 @@ class LaneServer:
                         raise
                     self._no_room("no file descriptors left (EMFILE)", "the engine is out of file descriptors")
                     break
-                if self.connections() >= self.max_connections and not self._make_room("the connection cap"):
+                if self._staying() >= self.max_connections and not self._make_room("the connection cap", more=True):
                     with sock:  # nothing can make room: the newcomer gets an answer, not a hang
                         sock.setblocking(False)
                         try:
@@ -213,13 +213,22 @@ class LaneServer:
             self._conns[sock.fileno()] = conn
         self._ep.register(sock.fileno(), select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLONESHOT)
 
-    def _make_room(self, why: str) -> bool:
-        """Asks the longest-idle connections without a registration to close. True if some are closing."""
+    def _staying(self) -> int:
+        """Connections open and not asked to close (each closing one is room for one newcomer, counted once)."""
+        with self._lock:
+            return sum(not c.closing for c in self._conns.values())
+
+    def _make_room(self, why: str, more: bool = False) -> bool:
+        """Asks the longest-idle connections without a registration to close. True if some are closing (`more`:
+        if some were asked now; those already closing are room already counted)."""
         self._log_error(f"lane: {why}; closing idle connections that hold no registration")
         with self._lock:
-            if any(c.closing for c in self._conns.values()):
+            if not more and any(c.closing for c in self._conns.values()):
                 return True  # room is on its way
-            idle = sorted((c for c in self._conns.values() if not c.session.workers), key=lambda c: c.last_active)
+            idle = sorted(
+                (c for c in self._conns.values() if not c.session.workers and not c.closing),
+                key=lambda c: c.last_active,
+            )
             for conn in idle[: max(1, len(idle) // 8)]:
                 conn.closing = True
                 _shutdown(conn.sock)
