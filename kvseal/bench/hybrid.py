@@ -2,8 +2,9 @@
 
 Models: the two of `kvseal bench vllm_ttft` (kvseal.bench.vllm_ttft_model, random weights, built once and cached):
 Llama (8 layers of full attention) and Gemma 3 of the same shape (six of the eight layers with a 512-token sliding
-window). Each vLLM run is a fresh process (kvseal.bench.vllm_ttft_run: offline LLM, fp32, block 128, prefix caching
-on, VLLM_CPU_KVCACHE_SPACE=2, one thread).
+window); for the capacity only, also a tiny gpt-oss built in the work directory (GPT_OSS: 4 layers alternating a
+128-token window and full attention, attention sinks, 4 experts). Each vLLM run is a fresh process
+(kvseal.bench.vllm_ttft_run: offline LLM, fp32, block 128, prefix caching on, VLLM_CPU_KVCACHE_SPACE=2, one thread).
 
 1. KV capacity: vLLM's block count (num_gpu_blocks) in the same KV memory, for each model with no connector, with
    kvseal, and with no connector and vLLM's hybrid manager off (what vLLM did with kvseal before kvseal declared
@@ -13,9 +14,9 @@ on, VLLM_CPU_KVCACHE_SPACE=2, one thread).
    engine, the sum of page bytes of every namespace (each group's pages) over the prompt tokens; for Gemma 3 also
    with kvseal.window_retention_tokens = window + block (a window's blocks kept only near a prompt's end).
 
-Last line: RESULT capacity_ratio_gemma3=... capacity_ratio_llama=... hma_off_ratio_gemma3=...
-kib_per_1k_llama=... kib_per_1k_gemma3=... kib_per_1k_gemma3_retained=... (capacity ratios = kvseal / none and
-no connector with HMA off / none).
+Last line: RESULT capacity_ratio_MODEL=... (each model) hma_off_ratio_MODEL=... kib_per_1k_llama=...
+kib_per_1k_gemma3=... kib_per_1k_gemma3_retained=... (capacity ratios = kvseal / none and no connector with HMA
+off / none).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from __future__ import annotations
 import argparse
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,20 @@ from kvseal.bench.vllm_ttft import engine_process, ensure_model, run_vllm
 from kvseal.units import format_size
 
 BLOCK = 128
+GPT_OSS = {
+    "model_type": "gpt_oss",
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "max_position_embeddings": 4096,
+}
 
 
 def _model_dir(base: Path, arch: str) -> Path:
@@ -48,6 +65,9 @@ def main(a: argparse.Namespace) -> int:
     print(f"hybrid benchmark: {a.prompts} prompts x {a.prompt_len} tokens, fp32, block {BLOCK}; logs: {workdir}")
     for arch, path in models.items():
         print(f"model {arch}: {ensure_model(path, arch)}", flush=True)
+    build = f"from kvseal.testing import llama; llama.build_any({str(workdir / 'gpt_oss')!r}, {GPT_OSS!r})"
+    subprocess.run([sys.executable, "-c", build], check=True, stdout=subprocess.DEVNULL, timeout=600)
+    capacity_only = {**models, "gpt_oss": workdir / "gpt_oss"}
     rng = random.Random(20261205)
     prompts = [[rng.randint(3, 31999) for _ in range(a.prompt_len)] for _ in range(a.prompts)]
     retained = vllm_ttft_model.WINDOW + BLOCK
@@ -57,11 +77,11 @@ def main(a: argparse.Namespace) -> int:
     engine = engine_process(workdir, a.pool_size, None)
     try:
         engine.wait_ready(START_TIMEOUT_S)
-        for arch, path in models.items():
+        for arch, path in capacity_only.items():
             for case in ("none", "none, HMA off", "kvseal"):
                 args: dict[str, Any] = {"model": str(path), "prompts": [], "connector": case.split(",")[0]}
                 args |= {"engine": engine.target, "hma": case != "none, HMA off"}
-                if case == "kvseal":
+                if case == "kvseal" and arch in models:
                     args |= {"prompts": prompts, "kvseal": {"kvseal.namespace": arch}}
                 r = run_vllm(f"{arch} {case}", args, workdir, a.vllm_cpu)
                 capacity[arch, case] = r["num_gpu_blocks"]
@@ -79,7 +99,7 @@ def main(a: argparse.Namespace) -> int:
 
     print()
     print(f"{'model':<8} {'no connector':>13} {'kvseal':>8} {'kvseal/none':>12} {'HMA off':>8} {'off/none':>9}")
-    for arch in models:
+    for arch in capacity_only:
         none, ours, off = (capacity[arch, case] for case in ("none", "kvseal", "none, HMA off"))
         print(f"{arch:<8} {none:>13} {ours:>8} {ours / none:>12.3f} {off:>8} {off / none:>9.3f}")
     print("  num_gpu_blocks: vLLM's KV capacity in blocks of 128 tokens (per group) in the same KV memory")
@@ -92,10 +112,13 @@ def main(a: argparse.Namespace) -> int:
         f"  full blocks only (the partial last block is never stored); retained: kvseal.window_retention_tokens "
         f"{retained}"
     )
+    ratios = " ".join(
+        f"{name}_{arch}={capacity[arch, case] / capacity[arch, 'none']:.3f}"
+        for name, case in (("capacity_ratio", "kvseal"), ("hma_off_ratio", "none, HMA off"))
+        for arch in sorted(capacity_only)
+    )
     print(
-        f"RESULT capacity_ratio_gemma3={capacity['gemma3', 'kvseal'] / capacity['gemma3', 'none']:.3f} "
-        f"capacity_ratio_llama={capacity['llama', 'kvseal'] / capacity['llama', 'none']:.3f} "
-        f"hma_off_ratio_gemma3={capacity['gemma3', 'none, HMA off'] / capacity['gemma3', 'none']:.3f} "
+        f"RESULT {ratios} "
         f"kib_per_1k_llama={per_1k['llama'] / 1024:.0f} kib_per_1k_gemma3={per_1k['gemma3'] / 1024:.0f} "
         f"kib_per_1k_gemma3_retained={per_1k['gemma3-retained'] / 1024:.0f}"
     )

@@ -1,8 +1,9 @@
 """The engine: the registry of instances, the store, the arena, the copies and the tiers below, behind one lock.
 
 The trust model (who may register, save, load and query what) is kvseal.engine.registry's; where a miss continues
-(SSD, peers) and the I/O that brings blocks back is kvseal.engine.tiers'; what the admin endpoints show is
-kvseal.engine.views'. This module holds the lock and the data path.
+(SSD, peers) and the I/O that brings blocks back is kvseal.engine.tiers'; the hit on an instance of several KV cache
+groups is kvseal.engine.groups'; what the admin endpoints show is kvseal.engine.views'. This module holds the lock
+and the data path.
 
 Thread model: lane and gRPC handlers call these methods concurrently. Book-keeping (registry, store) happens under
 `_lock`; copies happen outside it on pages the store keeps alive for the copy (inflight for saves, pinned for
@@ -13,13 +14,11 @@ to it, even if the worker is dropped meanwhile (the views keep the mapping alive
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvseal.core.hybrid import hybrid_hit, judged_blocks, needed_blocks
 from kvseal.core.layout import (
     LayoutDifference,
     SealedInstance,
@@ -31,6 +30,7 @@ from kvseal.core.layout import (
 )
 from kvseal.core.store import BlockStore, LoadPlan, SavePlan
 from kvseal.engine import attach, views
+from kvseal.engine.groups import GroupQueries
 from kvseal.engine.lock import LockStatistics, TimedLock
 from kvseal.engine.memory import (
     Arena,
@@ -57,7 +57,7 @@ from kvseal.engine.results import (
     QueryResult,
     SaveResult,
 )
-from kvseal.engine.tiers import Continuation, GroupBlocks, PeerSource, Tiers
+from kvseal.engine.tiers import Continuation, PeerSource, Tiers
 from kvseal.errors import InvalidArgument, PermissionDenied
 from kvseal.limits import MAX_BLOCKS_PER_REQUEST, MAX_HASH_BYTES, MAX_REQUEST_ID_CHARS
 from kvseal.ssd.null import NullTier
@@ -113,6 +113,7 @@ class Engine:
         self._lock = TimedLock()  # every hold is timed: lock_statistics(), /metrics
         self.registry = Registry(max_mapped_per_uid)
         self.tiers = Tiers(self._lock, self.store, self.arena, ssd if ssd is not None else NullTier())
+        self._groups = GroupQueries(self._lock, self.store, self.tiers)
 
     @property
     def pool_bytes(self) -> int:
@@ -376,7 +377,7 @@ class Engine:
             cap_s = self.store.lease_ttl_s
             ttl_s = min(lease_ttl_ms / 1000, cap_s) if lease_ttl_ms else cap_s
             if _is_hybrid(sealed):
-                found, ask = self._hybrid_query(inst, sealed, hashes, max_tokens, ttl_s)
+                found, ask = self._groups.query(inst, sealed, hashes, max_tokens, ttl_s)
                 if ask is None:
                     return found
             else:
@@ -392,161 +393,19 @@ class Engine:
                 if more is Continuation.LOADING:
                     if result.lease_id:
                         self.store.release(result.lease_id, instance_id)
-                    return _loading(found)
+                    return found.still_loading()
                 if more is Continuation.NOWHERE:
                     return found
         if ask is not None:
-            return self._hybrid_from_peers(inst, sealed, found, ask)
+            return self._groups.from_peers(inst, sealed, found, ask)
         offered = self.tiers.lookup(sealed.namespace_final, hashes[result.hits :])  # the MetaServer: not locked
         with self._lock:
             if offered is not None and self.tiers.start_peer_fetch(inst, hashes, result.hits, offered):
                 if result.lease_id:
                     self.store.release(result.lease_id, instance_id)
-                return _loading(found)
+                return found.still_loading()
             self.tiers.note_peer_miss(inst.ns_id, hashes[result.hits])
         return found
-
-    def _hybrid_query(
-        self, inst: Instance, sealed: SealedInstance, hashes: list[bytes], max_tokens: int, ttl_s: float
-    ) -> tuple[QueryResult, _PeerAsk | None]:
-        """The longest prefix every group can serve (kvseal.core.hybrid), its needed pages leased in one lease.
-        `hashes` cover block_size tokens each; a group of k times that block size keys its block i by hash
-        (i + 1) * k - 1 (the hash at its end). Hits count hashes. When the SSD holds what makes the hit longer,
-        those blocks are read into the pool and the answer is `loading`; when it does not, the answer may come
-        with what to ask other nodes for (_hybrid_from_peers). Under the lock."""
-        step = sealed.layout.block_size
-        limit = len(hashes) * step if not max_tokens else min(max_tokens, len(hashes) * step)
-        kinds = [part.kind for part in sealed.parts]
-        keys = [hashes[part.kind.block_size // step - 1 :: part.kind.block_size // step] for part in sealed.parts]
-        found = self._resident_groups(inst, sealed, keys)
-        tokens = hybrid_hit(kinds, _present(found), limit, sealed.eagle_groups)
-        ttl_ms = int(ttl_s * 1000)
-        could = tokens < hybrid_hit(kinds, [[True] * len(k) for k in keys], limit, sealed.eagle_groups)
-        if could and self._refilling(inst, keys, found):  # read from SSD or fetched: ask again
-            return QueryResult(0, 0, ttl_ms, sealed.namespace_final, loading=True), None
-        if could:  # the hit could be longer: the SSD, then other nodes
-            held = [self.tiers.ssd.holds(inst.part_key(g), group_keys) for g, group_keys in enumerate(keys)]
-            either = [[a or b for a, b in zip(p, h, strict=True)] for p, h in zip(_present(found), held, strict=True)]
-            longer = hybrid_hit(kinds, either, limit, sealed.eagle_groups)
-            if longer > tokens:
-                if self._bring_in(inst, sealed, keys, found, longer, self.tiers.refill_groups) is Continuation.LOADING:
-                    return QueryResult(0, 0, ttl_ms, sealed.namespace_final, loading=True), None
-        pages: list[int] = []
-        for kind, pids, ns_id in zip(kinds, found, inst.ns_ids, strict=True):
-            needed = [pids[i] for i in needed_blocks(kind, tokens)]
-            self.store.count_hits(ns_id, len(needed), len(pids) - len(needed))
-            pages += needed  # type: ignore[arg-type]  # every needed block is present
-        lease_id = self.store.lease_pages(pages, inst.instance_id, len(inst.workers), ttl_s)
-        found_result = QueryResult(tokens // step, lease_id, ttl_ms, sealed.namespace_final)
-        ask = None
-        dense = next((g for g, kind in enumerate(kinds) if kind.kind != "mamba"), None)
-        if could and dense is not None and tokens // kinds[dense].block_size < len(keys[dense]):
-            miss = (inst.ns_ids[dense], keys[dense][tokens // kinds[dense].block_size])
-            if self.store.page(*miss) is None and self.tiers.may_ask_peers(inst, *miss):
-                ask = _PeerAsk(keys, limit, dense, miss)
-        return found_result, ask
-
-    def _hybrid_from_peers(
-        self, inst: Instance, sealed: SealedInstance, found: QueryResult, ask: _PeerAsk
-    ) -> QueryResult:
-        """Asks the MetaServer which node holds the longest run of the first attention group's blocks (not under
-        the lock) and fetches from it what every group needs for the hit that run allows: the attention groups'
-        needed blocks within the run, the Mamba state where it ends (a node holds the states where its steps ended;
-        when it lacks that one, the fetch gives less and the query serves what this node has). Answers `loading`
-        while the fetch runs, else `found`."""
-        offered = self.tiers.lookup(sealed.parts[ask.group].name, ask.keys[ask.group])
-        with self._lock:
-            if offered is not None and inst.sealed is sealed:
-                address, count = offered
-                kinds = [part.kind for part in sealed.parts]
-                found_pids = self._resident_groups(inst, sealed, ask.keys)
-                reach = count * kinds[ask.group].block_size  # tokens of the run the peer holds
-                assumed = [
-                    [
-                        pid is not None or kind.kind == "mamba" or (i + 1) * kind.block_size <= reach
-                        for i, pid in enumerate(pids)
-                    ]
-                    for kind, pids in zip(kinds, found_pids, strict=True)
-                ]
-                tokens = hybrid_hit(kinds, assumed, ask.limit, sealed.eagle_groups)
-                fetch = functools.partial(self.tiers.fetch_groups, address, miss=ask.miss)
-                if self._bring_in(inst, sealed, ask.keys, found_pids, tokens, fetch) is Continuation.LOADING:
-                    if found.lease_id:
-                        self.store.release(found.lease_id, inst.instance_id)
-                    return _loading(found)
-            self.tiers.note_peer_miss(*ask.miss)
-        return found
-
-    def _resident_groups(
-        self, inst: Instance, sealed: SealedInstance, keys: list[list[bytes]]
-    ) -> list[list[int | None]]:
-        """Each group's resident page per block key (None: not resident). Under the lock."""
-        return [
-            self.store.resident(ns_id, part.layout, group_keys)
-            for part, ns_id, group_keys in zip(sealed.parts, inst.ns_ids, keys, strict=True)
-        ]
-
-    def _refilling(self, inst: Instance, keys: list[list[bytes]], found: list[list[int | None]]) -> bool:
-        """Whether a block of the prompt that is not resident is being read from SSD or fetched. Under the lock."""
-        for ns_id, group_keys, pids in zip(inst.ns_ids, keys, found, strict=True):
-            for key, pid in zip(group_keys, pids, strict=True):
-                if pid is None and (page := self.store.page(ns_id, key)) is not None and self.store.refilling(page):
-                    return True
-        return False
-
-    def _bring_in(
-        self,
-        inst: Instance,
-        sealed: SealedInstance,
-        keys: list[list[bytes]],
-        found: list[list[int | None]],
-        tokens: int,
-        start: Callable[[list[GroupBlocks]], Continuation],
-    ) -> Continuation:
-        """Starts bringing into the pool (`start`: from the SSD or a peer) the blocks a hit of `tokens` is judged
-        on that are not resident. The resident ones are pinned meanwhile, so that the pages taken for the others
-        are never theirs (else the next query would miss those and start over). Under the lock."""
-        parts = self._missing_blocks(inst, sealed, keys, found, tokens)
-        if not any(part.wanted for part in parts):
-            return Continuation.NOWHERE
-        kinds = [part.kind for part in sealed.parts]
-        resident = [
-            pid
-            for g, pids in enumerate(found)
-            for i in judged_blocks(kinds, g, tokens, sealed.eagle_groups, len(pids))
-            if (pid := pids[i]) is not None
-        ]
-        hold = self.store.lease_pages(resident, REFILL_OWNER, 1)
-        try:
-            return start(parts)
-        finally:
-            if hold:
-                self.store.release(hold, REFILL_OWNER)
-
-    def _missing_blocks(
-        self,
-        inst: Instance,
-        sealed: SealedInstance,
-        keys: list[list[bytes]],
-        found: list[list[int | None]],
-        tokens: int,
-    ) -> list[GroupBlocks]:
-        """Per group, the blocks a hit of `tokens` is judged on that are not resident."""
-        kinds = [part.kind for part in sealed.parts]
-        return [
-            GroupBlocks(
-                inst.part_key(g),
-                part.name,
-                part.layout,
-                inst.ns_ids[g],
-                [
-                    keys[g][i]
-                    for i in judged_blocks(kinds, g, tokens, sealed.eagle_groups, len(keys[g]))
-                    if found[g][i] is None
-                ],
-            )
-            for g, part in enumerate(sealed.parts)
-        ]
 
     def release(self, instance_id: str, lease_id: int, caller: Caller) -> None:
         if lease_id <= 0:
@@ -755,29 +614,6 @@ def _check_tables(sealed: SealedInstance, w: Worker, group: int, tables: list[li
         )
     for ids in tables:
         _check_block_range(ids, w.num_blocks)
-
-
-REFILL_OWNER = "kvseal.refill"  # the lease that keeps a hybrid hit's resident pages while the rest is brought in
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _PeerAsk:
-    """What a hybrid query that missed asks other nodes for: each group's block keys, the hit's token limit, the
-    group whose run the MetaServer is asked about, and the (store namespace, key) a failed ask is remembered by."""
-
-    keys: list[list[bytes]]
-    limit: int
-    group: int
-    miss: tuple[int, bytes]
-
-
-def _present(found: list[list[int | None]]) -> list[list[bool]]:
-    return [[pid is not None for pid in pids] for pids in found]
-
-
-def _loading(found: QueryResult) -> QueryResult:
-    """The answer while blocks are brought into the pool: no hits, no lease; the caller asks again."""
-    return QueryResult(0, 0, found.lease_ttl_ms, found.namespace_final, loading=True)
 
 
 def _is_hybrid(sealed: SealedInstance) -> bool:

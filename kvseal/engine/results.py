@@ -45,6 +45,10 @@ class QueryResult:
     namespace_final: str
     loading: bool = False
 
+    def still_loading(self) -> QueryResult:
+        """The answer while blocks are brought into the pool instead: no hits, no lease; the caller asks again."""
+        return QueryResult(0, 0, self.lease_ttl_ms, self.namespace_final, loading=True)
+
 
 @dataclass(slots=True)
 class EngineCounters:
