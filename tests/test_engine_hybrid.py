@@ -47,6 +47,7 @@ class Hybrid:
         eagle: tuple[int, ...] = (),
         ssd: DiskTier | None = None,
         pool_bytes: int = 16 << 20,
+        session: Session = SESSION,
     ) -> None:
         self.groups = groups
         self.shared = SharedArray((len(LAYERS) * BLOCKS, SLOT))
@@ -62,7 +63,7 @@ class Hybrid:
             layout_tag="test",
             dtype="uint8",
             block_size=STEP,
-            session=SESSION,
+            session=session,
             groups=[(g.kind, g.block_size, g.span) for g in groups],
             group_ids={name: group for name, (group, _) in LAYERS.items()},
             tables={name: table for name, (_, table) in LAYERS.items()},
@@ -91,6 +92,17 @@ def hybrid() -> Iterator[Hybrid]:
 
 def prompt(n: int, salt: int = 0) -> list[bytes]:
     return [(salt << 32 | i).to_bytes(32, "big") for i in range(n)]
+
+
+def served(h: Hybrid, hs: list[bytes], max_tokens: int, session: Session = SESSION) -> tuple[QueryResult, int]:
+    """Queries until the answer is not `loading` (a refill or fetch under way); returns it and how many were."""
+    deadline = time.monotonic() + 30
+    loading = 0
+    while (q := h.engine.query("h", hs, session.caller, max_tokens=max_tokens)).loading:
+        loading += 1
+        assert time.monotonic() < deadline, "the refill or fetch never finished"
+        time.sleep(0.001)  # poll interval of a bounded wait on a real condition (the refill or fetch thread)
+    return q, loading
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -207,12 +219,7 @@ def test_a_restarted_engine_refills_every_group_the_hit_needs_from_ssd() -> None
     tier.open()
     second = Hybrid(kinds, ssd=tier)
     try:
-        deadline = time.monotonic() + 30
-        loading = 0
-        while (q := second.engine.query("h", hs, SESSION.caller, max_tokens=31)).loading:
-            loading += 1
-            assert time.monotonic() < deadline, "the refill did not finish"
-            time.sleep(0.001)  # a bounded wait on the refill thread
+        q, loading = served(second, hs, max_tokens=31)
         assert loading >= 1 and q.hits == 6  # 24 tokens: within the limit, aligned to the Mamba group's 8
         # read from SSD: what the hit of 24 tokens needs, and nothing else
         assert second.engine.store.statistics().resident_blocks == 6 + 2 + 1
@@ -253,15 +260,23 @@ def test_a_refill_under_memory_pressure_never_evicts_what_the_hit_already_has() 
         assert inst.sealed is not None
         assert h.engine.store.resident(inst.ns_ids[2], inst.sealed.parts[2].layout, [hs[7]]) == [None]
         reads = tier.statistics().reads
-        deadline = time.monotonic() + 30
-        loading = 0
-        while (q := h.engine.query("h", hs, SESSION.caller, max_tokens=32)).loading:
-            loading += 1
-            assert time.monotonic() < deadline, "the refill did not finish"
-            time.sleep(0.001)  # a bounded wait on the refill thread
+        q, loading = served(h, hs, max_tokens=32)
         assert loading >= 1 and q.hits == 8
         assert tier.statistics().reads - reads == 1  # the state alone: no block of the hit was evicted for it
         h.engine.store.check_invariants()
+    finally:
+        h.close()
+
+
+def test_another_users_hybrid_instance_never_asks_a_peer() -> None:
+    """Other users' blocks never leave the node, and no other node's are asked for on their behalf."""
+    stranger = Session(Caller(uid=os.getuid() + 4242, pid=1))
+    h = Hybrid((KvGroup("full", 4), KvGroup("sliding", 4, 9), KvGroup("mamba", 8)), session=stranger)
+    try:
+        peer = FakePeerSource()
+        h.engine.use_peers(peer)
+        q = h.engine.query("h", prompt(8), stranger.caller, max_tokens=31)
+        assert (q.hits, q.loading) == (0, False) and peer.lookups == []
     finally:
         h.close()
 
@@ -297,11 +312,7 @@ class _PeerNodes:
             self.peer.hold(part.name, held, [bytes(v) for v in pin.views])
 
     def query_until_served(self, max_tokens: int) -> QueryResult:
-        deadline = time.monotonic() + 10
-        while (q := self.b.engine.query("h", self.hs, SESSION.caller, max_tokens=max_tokens)).loading:
-            assert time.monotonic() < deadline, "the fetch never finished"
-            time.sleep(0.001)  # poll interval of a bounded wait on a real condition (the fetch thread)
-        return q
+        return served(self.b, self.hs, max_tokens)[0]
 
     def close(self) -> None:
         self.a.close()

@@ -144,47 +144,21 @@ class GroupQueries:
         """Starts bringing into the pool (`start`: from the SSD or a peer) the blocks a hit of `tokens` is judged
         on that are not resident. The resident ones are pinned meanwhile, so that the pages taken for the others
         are never theirs (else the next query would miss those and start over). Under the lock."""
-        parts = self._missing_blocks(inst, sealed, keys, found, tokens)
+        kinds = [part.kind for part in sealed.parts]
+        parts, resident = [], []
+        for g, part in enumerate(sealed.parts):
+            judged = judged_blocks(kinds, g, tokens, sealed.eagle_groups, len(keys[g]))
+            resident += [pid for i in judged if (pid := found[g][i]) is not None]
+            wanted = [keys[g][i] for i in judged if found[g][i] is None]
+            parts.append(GroupBlocks(inst.part_key(g), part.name, part.layout, inst.ns_ids[g], wanted))
         if not any(part.wanted for part in parts):
             return Continuation.NOWHERE
-        kinds = [part.kind for part in sealed.parts]
-        resident = [
-            pid
-            for g, pids in enumerate(found)
-            for i in judged_blocks(kinds, g, tokens, sealed.eagle_groups, len(pids))
-            if (pid := pids[i]) is not None
-        ]
         hold = self.store.lease_pages(resident, REFILL_OWNER, 1)
         try:
             return start(parts)
         finally:
             if hold:
                 self.store.release(hold, REFILL_OWNER)
-
-    def _missing_blocks(
-        self,
-        inst: Instance,
-        sealed: SealedInstance,
-        keys: list[list[bytes]],
-        found: list[list[int | None]],
-        tokens: int,
-    ) -> list[GroupBlocks]:
-        """Per group, the blocks a hit of `tokens` is judged on that are not resident."""
-        kinds = [part.kind for part in sealed.parts]
-        return [
-            GroupBlocks(
-                inst.part_key(g),
-                part.name,
-                part.layout,
-                inst.ns_ids[g],
-                [
-                    keys[g][i]
-                    for i in judged_blocks(kinds, g, tokens, sealed.eagle_groups, len(keys[g]))
-                    if found[g][i] is None
-                ],
-            )
-            for g, part in enumerate(sealed.parts)
-        ]
 
 
 def _present(found: list[list[int | None]]) -> list[list[bool]]:
