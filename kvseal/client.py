@@ -219,6 +219,15 @@ class EngineClient:
         if self._lane_call(ln.encode_release, instance_id, lease_id, spin=True) is None:
             self._call("Release", pb.ReleaseRequest(instance_id=instance_id, lease_id=lease_id))
 
+    def lane_call(self, frame: bytes) -> bytes:
+        """Sends one frame encoded with kvseal.wire.lane and returns the OK answer's body (the engine's errors are
+        raised): for benchmarks and tools that encode a request once and send it many times."""
+        return self._lane_required().call(frame)
+
+    def ping(self, payload: bytes = b"") -> None:
+        """A no-op round trip over the lane carrying `payload` (the engine reads none of it)."""
+        self._lane_required().call(ln.encode_ping(payload))
+
     def describe(self, instance_id: str) -> pb.InstanceStatus:
         """The instance's registration state and, once sealed, its namespace_final and layout descriptor."""
         return self._call("Describe", pb.DescribeRequest(instance_id=instance_id))

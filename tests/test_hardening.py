@@ -1112,6 +1112,7 @@ def test_with_a_token_the_lane_needs_hello_first_and_http_needs_the_token(
             "Load": (ln.encode_load(("A", 0, 0), hashes("a"), list(range(BLOCKS))), ()),
             "Release": (ln.encode_release("A", 1), ()),
             "Unregister": (ln.encode_unregister(("A", 0, 0)), ()),
+            "Ping": (ln.encode_ping(b"x" * 64), ()),
             "Register": (register_frame("A", [layer_spec(0)]), (memory.fd,)),
         }
         for name, (frame, fds) in frames.items():  # no HELLO first
@@ -1135,6 +1136,7 @@ def test_with_a_token_the_lane_needs_hello_first_and_http_needs_the_token(
 
         with connect(path) as sock:
             assert call(sock, ln.encode_hello(TOKEN)) == ("OK", b"")
+            assert call(sock, ln.encode_ping(b"x" * 64)) == ("OK", b"")
             reply = call(sock, ln.encode_query("A", hashes("a")))
             assert reply is not None and reply[0] == "NOT_FOUND"  # past the token: the engine answers
             reply = call(sock, register_frame("A", [layer_spec(0)]), [memory.fd])

@@ -404,7 +404,7 @@ def test_frame_buffer_refuses_an_oversized_header_before_its_body(op: int) -> No
         over.next_frame()
 
 
-@pytest.mark.parametrize("op", [0, 10, 255])
+@pytest.mark.parametrize("op", [0, 11, 255])
 def test_frame_buffer_refuses_an_unknown_op_from_its_header(op: int) -> None:
     buf = fq.FrameBuffer()
     buf.feed(struct.pack("<IB", 1, op))
@@ -491,13 +491,25 @@ def test_lane_answers_queries_like_grpc(engine: EngineProcess, owner: Owner) -> 
         assert engine.metric("kvseal_rpc_seconds_count", method="Query", code="OK") == 2
         assert engine.metric("kvseal_rpc_seconds_count", method="lane.Query", code="OK") == 1
 
+        # a ping carries any bytes, up to a Query's limit, and is answered without being read
+        client.ping(fq.encode_query("A", HASHES))
+        client.ping()
+        assert engine.metric("kvseal_rpc_seconds_count", method="lane.Ping", code="OK") == 2
+        with pytest.raises(InvalidArgument, match="at most"):
+            client.ping(bytes(fq.FRAME_LIMITS[fq.OP_PING] + 1))
+        assert _raw(path, struct.pack("<IB", fq.FRAME_LIMITS[fq.OP_PING] + 1, fq.OP_PING)) == (
+            fq.STATUS_CODES["INVALID_ARGUMENT"],
+            f"Ping frame of {fq.FRAME_LIMITS[fq.OP_PING] + 1} bytes exceeds its {fq.FRAME_LIMITS[fq.OP_PING]}-byte "
+            "limit".encode(),
+        )
+
 
 @pytest.mark.process
 def test_lane_survives_malformed_frames(engine: EngineProcess, owner: Owner) -> None:
     path = owner.client.info().lane_socket
     bad: list[bytes] = [
         struct.pack("<IB", 3, fq.OP_QUERY) + b"\x05\x00A",  # instance_id runs past the frame
-        struct.pack("<IB", 0, 10),  # unknown op, empty body
+        struct.pack("<IB", 0, 11),  # unknown op, empty body
         fq.encode_query("A", HASHES)[:-1],  # truncated: the length says one more byte
         struct.pack("<IB", fq.MAX_FRAME + 1, fq.OP_QUERY),  # oversized
         fq.encode_query("A", HASHES) + b"trailing",  # declared length excludes these: a second bad frame

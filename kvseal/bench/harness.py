@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,10 +41,12 @@ def start_engine(
     extra: Sequence[str] = (),
     listen: str | None = None,
     wrapper: Sequence[str] = (),
+    python: str = sys.executable,
 ) -> EngineProcess:
     """`python -m kvseal serve` as the benchmarks run it: free loopback ports unless `listen` says, the engine's
     own slab size, --log-level WARNING (extra may say otherwise), one thread for numpy, stdout and stderr in
-    workdir/NAME.log. Returns at once; wait_ready(START_TIMEOUT_S) waits for it."""
+    workdir/NAME.log, run by `python` (another environment's engine: kvseal.bench.baseline). Returns at once;
+    wait_ready(START_TIMEOUT_S) waits for it."""
     return EngineProcess(
         workdir,
         extra,
@@ -55,6 +58,7 @@ def start_engine(
         log_level="WARNING",
         env=BENCH_ENV,
         merge_output=True,
+        python=python,
     )
 
 

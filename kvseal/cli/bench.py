@@ -70,6 +70,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         p.add_argument("--vllm-cpu", default="0", help="the CPU vLLM runs on (default 0)")
         p.add_argument("--workdir", type=Path, default=None, help="logs (default: a temporary directory)")
 
+    ops = which.add_parser(
+        "ops",
+        help="the control plane: calls against the lane's floor, 2 clients vs 1, a replayed workload",
+        description="Query/Save/Load of 1..4096 hashes on 4 KiB pages against the lane's no-op round trip, "
+        "2 client processes against 1, and requests/s replaying multi-turn chats (kvseal.bench.ops)",
+    )
+    ops.add_argument("--quick", action="store_true", help="fewer repetitions, a smaller workload (smoke)")
+    ops.add_argument("--baseline", metavar="REV", help="also measure the engine of this git revision, first")
+
     mooncake = which.add_parser(
         "mooncake",
         help="Mooncake Transfer Engine's own TCP read between two processes",
@@ -93,6 +102,10 @@ def run(args: argparse.Namespace) -> int:
         from kvseal.bench import pd as bench_pd
 
         return bench_pd.main(args)
+    if args.what == "ops":
+        from kvseal.bench import ops as bench_ops
+
+        return bench_ops.main(["--quick"] * args.quick + ["--baseline", args.baseline] * bool(args.baseline))
     if args.what == "mooncake":
         from kvseal.bench import mooncake as bench_mooncake
 

@@ -340,6 +340,8 @@ class LaneServer:
                 return lane.encode_ok()
             if not conn.authed:
                 raise Unauthenticated("this engine needs a token: send HELLO with it first (EngineClient(token=...))")
+            if request is lane.PING:
+                return lane.encode_ok()
             engine, session = self.engine, conn.session
             if isinstance(request, lane.QueryRequest):
                 q = engine.query(

@@ -64,10 +64,11 @@ def serve_command(
     pool_size: str | int | None = "64MiB",
     slab_size: str | int | None = "8MiB",
     log_level: str | None = None,
+    python: str = sys.executable,
 ) -> list[str]:
     """The `python -m kvseal serve` command line; None leaves a flag at the engine's default. `extra` comes last,
-    so a flag in it wins over the same flag here."""
-    argv = [sys.executable, "-m", "kvseal", "serve", "--listen", listen, "--http-listen", http_listen]
+    so a flag in it wins over the same flag here. `python`: the interpreter (another environment's engine)."""
+    argv = [python, "-m", "kvseal", "serve", "--listen", listen, "--http-listen", http_listen]
     for flag, value in (("--pool-size", pool_size), ("--slab-size", slab_size), ("--log-level", log_level)):
         if value is not None:
             argv += [flag, str(value)]
@@ -108,7 +109,8 @@ class EngineProcess:
     address (HOST:PORT or unix:PATH; default a free loopback port), `http_port` likewise. `wrapper`: a command
     line the serve command is appended to; it must exec its arguments (`taskset -c 1`, a shell that sets a
     resource limit first). `env`: variables set for the engine on top of this process's environment. `cwd`: its
-    working directory (default this process's). `name`: the log files' names in `workdir`; with merge_output
+    working directory (default this process's). `python`: the interpreter that runs it (an engine installed in
+    another environment). `name`: the log files' names in `workdir`; with merge_output
     stdout and stderr go to one NAME.log."""
 
     def __init__(
@@ -126,6 +128,7 @@ class EngineProcess:
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
         merge_output: bool = False,
+        python: str = sys.executable,
     ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
@@ -144,6 +147,7 @@ class EngineProcess:
             pool_size=pool_size,
             slab_size=slab_size,
             log_level=log_level,
+            python=python,
         )
         self.args = [*wrapper, *command]
         environment = dict(os.environ, **env) if env else None

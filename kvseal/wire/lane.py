@@ -23,6 +23,8 @@ Frames (little endian), one request then one response at a time per connection:
       op 7 UNREGISTER  ... | u32 tp_rank | u32 pp_rank
       op 8 SAVE_GROUPS ... | u32 tp_rank | u32 pp_rank | u8 n_runs | n_runs x run
       op 9 LOAD_GROUPS ... | u32 tp_rank | u32 pp_rank | u64 lease_id | u8 n_runs | n_runs x run
+      op 10 PING       any bytes, up to a Query's limit, answered OK and empty without being read: the lane's
+                       no-op round trip (a liveness check; `kvseal bench ops` measures the lane's floor with it)
       hashes        = u32 n | u8 hash_len | n x hash_len bytes        (one length for every hash of a request;
                                                                         in SAVE_GROUPS and LOAD_GROUPS, of a run)
       run           = u8 group | hashes | u8 n_tables | n_tables x n x u32 block_id
@@ -39,6 +41,7 @@ Frames (little endian), one request then one response at a time per connection:
       OK UNREGISTER    u32 remaining_workers
       OK SAVE_GROUPS   as OK SAVE
       OK LOAD_GROUPS   as OK LOAD
+      OK PING          (empty)
       error            utf-8 message
 """
 
@@ -67,7 +70,7 @@ from kvseal.limits import (
 from kvseal.sockets import StreamClosed, recv_exact
 
 OP_QUERY, OP_RELEASE, OP_SAVE, OP_LOAD, OP_HELLO, OP_REGISTER, OP_UNREGISTER = 1, 2, 3, 4, 5, 6, 7
-OP_SAVE_GROUPS, OP_LOAD_GROUPS = 8, 9
+OP_SAVE_GROUPS, OP_LOAD_GROUPS, OP_PING = 8, 9, 10
 OP_NAMES = {
     OP_QUERY: "Query",
     OP_RELEASE: "Release",
@@ -78,6 +81,7 @@ OP_NAMES = {
     OP_UNREGISTER: "Unregister",
     OP_SAVE_GROUPS: "SaveGroups",
     OP_LOAD_GROUPS: "LoadGroups",
+    OP_PING: "Ping",
 }
 OUTCOMES = {"loaded": 1, "missing": 2, "refused": 3}  # the values of kvseal.v1.LoadResponse.Outcome
 _BLOCKS_FRAME = 64 + 0xFFFF + MAX_BLOCKS_PER_REQUEST * (MAX_HASH_BYTES + 4)  # the largest valid Query/Save/Load
@@ -89,6 +93,7 @@ FRAME_LIMITS = {  # bytes of body per op: a header announcing more is refused be
     OP_LOAD: _BLOCKS_FRAME,
     OP_SAVE_GROUPS: _GROUPS_FRAME,
     OP_LOAD_GROUPS: _GROUPS_FRAME,
+    OP_PING: _BLOCKS_FRAME,
     OP_RELEASE: 0xFFFF + 16,
     OP_UNREGISTER: 0xFFFF + 16,
     OP_HELLO: 0xFFFF + 2,
@@ -176,11 +181,18 @@ class HelloRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class PingRequest:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
 class RegisterRequest:
     """The serialized kvseal.v1.RegisterRequest (decoded by the server, after count_layers)."""
 
     body: bytes
 
+
+PING = PingRequest()
 
 Request = (
     QueryRequest
@@ -191,6 +203,7 @@ Request = (
     | LoadGroupsRequest
     | UnregisterRequest
     | HelloRequest
+    | PingRequest
     | RegisterRequest
 )
 
@@ -244,6 +257,12 @@ def encode_hello(token: str) -> bytes:
     if len(raw) > 0xFFFF:
         raise Unframeable("the token is longer than 65535 bytes")
     return _frame(OP_HELLO, struct.pack("<H", len(raw)) + raw)
+
+
+def encode_ping(payload: bytes = b"") -> bytes:
+    if len(payload) > FRAME_LIMITS[OP_PING]:
+        raise InvalidArgument(f"a ping carries at most {FRAME_LIMITS[OP_PING]} bytes, not {len(payload)}")
+    return _frame(OP_PING, payload)
 
 
 def encode_register(request_bytes: bytes) -> bytes:
@@ -312,6 +331,8 @@ def decode_request(op: int, body: bytes) -> Request:
     if op == OP_REGISTER:
         count_layers(body)
         return RegisterRequest(body)
+    if op == OP_PING:
+        return PING
     try:
         if op == OP_HELLO:
             (n,) = struct.unpack_from("<H", body, 0)
