@@ -144,6 +144,13 @@ def test_the_kernel_refuses_arrays_it_cannot_read_as_rows() -> None:
         kernel.copy_rows(np.zeros(1, dtype=np.uint32), one, one, False)
     with pytest.raises(TypeError):
         kernel.copy_rows(one, one, [0], False)  # not a buffer
+    segments, blocks = [np.zeros(1, dtype=np.int64)] * 4, [np.zeros(1, dtype=np.int64)] * 2
+    with pytest.raises(ValueError, match="one length"):
+        kernel.copy_blocks(*segments[:3], two, *blocks, True, False)
+    with pytest.raises(ValueError, match="one length"):
+        kernel.copy_blocks(*segments, blocks[0], two, True, False)
+    with pytest.raises(TypeError, match="block_ids must be a contiguous array of 8-byte integers"):
+        kernel.copy_blocks(*segments, np.zeros(1, dtype=np.uint32), blocks[1], True, False)
 
 
 def test_copy_page_moves_a_whole_page_or_refuses_another_size() -> None:

@@ -39,6 +39,7 @@ REQUEST_TYPES = (
     fq.LoadGroupsRequest,
     fq.UnregisterRequest,
     fq.HelloRequest,
+    fq.PingRequest,
     fq.RegisterRequest,
 )
 

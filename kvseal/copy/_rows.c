@@ -1,7 +1,8 @@
-/* kvseal's byte-moving kernel: copies a list of rows (dst, src, size) in one call, without the GIL.
+/* kvseal's byte-moving kernel: copies a batch of blocks' layer segments (copy_blocks), or a list of rows (dst, src,
+ * size: copy_rows), in one call, without the GIL.
  *
- * The engine computes every row's addresses in numpy (kvseal/copy/rows.py) from geometry it validated at
- * registration and pages the store handed out; this file only moves bytes. Large transfers go with non-temporal
+ * The engine gives the addresses from geometry it validated at registration and pages the store handed out
+ * (kvseal/copy/rows.py); this file only moves bytes. Large transfers go with non-temporal
  * stores: they bypass the cache, so a copy much larger than the last-level cache does not first read every
  * destination line in (measured on the project's machines: memcpy of 128 MiB with cached stores 7 GB/s, with
  * glibc's streaming stores past its threshold 12.8 GB/s). Small ones, and copies whose destination is read next,
@@ -119,8 +120,72 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     return result;
 }
 
+static void copy_one(char *dst, const char *src, size_t n, int streaming) {
+#if STREAMING
+    if (streaming) {
+        if (has_avx2)
+            stream_avx2(dst, src, n);
+        else
+            stream_sse2(dst, src, n);
+        return;
+    }
+#endif
+    (void)streaming;
+    memcpy(dst, src, n);
+}
+
+PyDoc_STRVAR(copy_blocks_doc,
+             "copy_blocks(address, pitch, width, page_offset, block_ids, pages, to_pool, streaming)\n\n"
+             "Copies every segment s of every block k between a worker's memory and a pool page (int64 arrays:\n"
+             "per segment its block 0 address, pitch and width and its offset in a page; per block its id and\n"
+             "its page's address): worker address[s] + pitch[s] * block_ids[k] <-> pages[k] + page_offset[s],\n"
+             "width[s] bytes, into the pool when to_pool is true, out of it otherwise, segment by segment. The\n"
+             "caller guarantees every address is memory it owns and no destination overlaps another. Releases\n"
+             "the GIL.");
+
+static PyObject *copy_blocks(PyObject *self, PyObject *args) {
+    PyObject *objs[6];
+    int to_pool, streaming;
+    static const char *names[6] = {"address", "pitch", "width", "page_offset", "block_ids", "pages"};
+    if (!PyArg_ParseTuple(args, "OOOOOOpp", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &to_pool,
+                          &streaming))
+        return NULL;
+    Py_buffer v[6];
+    int got = 0;
+    PyObject *result = NULL;
+    for (; got < 6; got++)
+        if (as_words(objs[got], &v[got], names[got]) < 0) goto done;
+    Py_ssize_t segments = v[0].len / 8, blocks = v[4].len / 8;
+    if (v[1].len != v[0].len || v[2].len != v[0].len || v[3].len != v[0].len || v[5].len != v[4].len) {
+        PyErr_SetString(PyExc_ValueError, "the segment arrays must have one length, and block_ids and pages another");
+        goto done;
+    }
+    const int64_t *address = v[0].buf, *pitch = v[1].buf, *width = v[2].buf, *offset = v[3].buf;
+    const int64_t *ids = v[4].buf, *pages = v[5].buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t s = 0; s < segments; s++) {
+        for (Py_ssize_t k = 0; k < blocks; k++) {
+            char *worker = (char *)(uintptr_t)(address[s] + pitch[s] * ids[k]);
+            char *pool = (char *)(uintptr_t)(pages[k] + offset[s]);
+            if (to_pool)
+                copy_one(pool, worker, (size_t)width[s], streaming);
+            else
+                copy_one(worker, pool, (size_t)width[s], streaming);
+        }
+    }
+#if STREAMING
+    if (streaming) _mm_sfence();
+#endif
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    while (got-- > 0) PyBuffer_Release(&v[got]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS, copy_rows_doc},
+    {"copy_blocks", copy_blocks, METH_VARARGS, copy_blocks_doc},
     {NULL, NULL, 0, NULL},
 };
 

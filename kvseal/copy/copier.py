@@ -1,14 +1,14 @@
 """Moves bytes between a worker's KV tensors and pool pages. The store plans (which pages, which offsets); this
 module only copies.
 
-Blocks are moved in *spans*: consecutive block ids whose pages are also consecutive in one slab (a batch saved
-together is carved or evicted in order, and vLLM hands out fresh block ids in order). Three ways move them:
+Three ways move them:
 
-- **the kernel** (kvseal/copy/_rows.c, built by `pip install` when a C compiler is there): every block's layer
-  segments are rows whose addresses numpy computes at once (kvseal.copy.rows), copied in one call without the
-  GIL, with non-temporal stores when the call moves STREAM_FROM bytes or more (they skip reading every destination
-  line into the cache first: ~1.8x the speed of cached stores for copies beyond a few MiB on the project's
-  machines, while small copies gain from the cache);
+- **the kernel** (kvseal/copy/_rows.c, built by `pip install` when a C compiler is there): the worker's layer
+  segments as a table (kvseal.copy.rows) and the batch's block ids and page addresses as arrays, copied in one
+  call without the GIL (the kernel computes each segment's two addresses itself), with non-temporal stores when
+  the call moves STREAM_FROM bytes or more (they skip reading every destination line into the cache first: ~1.8x
+  the speed of cached stores for copies beyond a few MiB on the project's machines, while small copies gain from
+  the cache);
 - **numpy**, when the kernel is not built (or KVSEAL_COPY=numpy): layers grouped into *runs* (slots that follow
   each other in the page at a constant distance and sit in the worker's memory at a constant distance too; vLLM
   allocates a group's layers as views of one buffer, so usually one run covers every layer), each a pair of
@@ -20,6 +20,9 @@ together is carved or evicted in order, and vLLM hands out fresh block ids in or
   so a span costs one `np.copyto` per run; views use 8-byte words when every offset and stride allows it (uint8
   views copy 3-6x slower, docs/design.md §6);
 - **CUDA** memory: kvseal.copy.cuda (the GPU's DMA engines, 2D copies of the same spans or one batch of rows).
+
+The numpy and CUDA paths move blocks in *spans*: consecutive block ids whose pages are also consecutive in one
+slab (a batch saved together is carved or evicted in order, and vLLM hands out fresh block ids in order).
 """
 
 from __future__ import annotations
@@ -120,10 +123,9 @@ class WorkerCopier:
 
     def save(self, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
         """Copies block_ids[k] into the page at offsets[k], for every k."""
-        spans = _spans(block_ids, offsets, self._step)
-        if self._rows is not None and spans:
-            pool, worker, sizes = self._rows.rows(spans, self._arena_address, PAGE_ALIGN, self._page_stride)
-            kernel.copy_rows(pool, worker, sizes, len(block_ids) * self._row_bytes >= self._stream_from)
+        if self._rows is not None:
+            self._kernel_copy(block_ids, offsets, to_pool=True)
+        spans = _spans(block_ids, offsets, self._step) if self._runs or self._cuda else []
         for first, pos, n in spans:
             end, stop = first + n, pos + n * self._step
             for src, dst in self._runs:
@@ -134,16 +136,28 @@ class WorkerCopier:
     def load(self, block_ids: Sequence[int], offsets: Sequence[int]) -> None:
         """Copies the page at offsets[k] into block_ids[k], for every k. Copies into CUDA memory are complete on
         return."""
-        spans = _spans(block_ids, offsets, self._step)
-        if self._rows is not None and spans:
-            pool, worker, sizes = self._rows.rows(spans, self._arena_address, PAGE_ALIGN, self._page_stride)
-            kernel.copy_rows(worker, pool, sizes, len(block_ids) * self._row_bytes >= self._stream_from)
+        if self._rows is not None:
+            self._kernel_copy(block_ids, offsets, to_pool=False)
+        spans = _spans(block_ids, offsets, self._step) if self._runs or self._cuda else []
         for first, pos, n in spans:
             end, stop = first + n, pos + n * self._step
             for src, dst in self._runs:
                 np.copyto(src[first:end], dst[pos : stop : self._step])
         for cuda in self._cuda:
             cuda.load(spans, PAGE_ALIGN)
+
+    def _kernel_copy(self, block_ids: Sequence[int], offsets: Sequence[int], to_pool: bool) -> None:
+        """Every host segment of every block in one kernel call (no row arrays: the kernel walks the segment table
+        and the batch's block ids and page addresses itself)."""
+        n = len(block_ids)
+        if not n:
+            return
+        t = self._rows
+        assert t is not None
+        ids = np.asarray(block_ids, dtype=np.int64)
+        pages = np.asarray(offsets, dtype=np.int64) + self._arena_address
+        streaming = n * self._row_bytes >= self._stream_from
+        kernel.copy_blocks(t.address, t.pitch, t.width, t.page_offset, ids, pages, to_pool, streaming)
 
 
 def _segment(s: SlotSource, k: int) -> Segment:

@@ -34,20 +34,8 @@ class Eviction:
         recent first, or none when it has fewer than n (returns [] and changes nothing). The pages come back
         FREE, still counted as used in their slabs: the caller reuses them in place or gives them back
         (Slabs.free). `reuse`: the caller opens them at once (pages.forget's `reused`)."""
-        prev = self._pages.prev
-        sentinel = self._pages.sentinel[c]  # the ring: sentinel.prev is the least recently used page
-        victims: list[int] = []
-        pid = prev[sentinel]
-        if protected:
-            while pid != sentinel and len(victims) < n:
-                if pid not in protected:
-                    victims.append(pid)
-                pid = prev[pid]
-        else:
-            while pid != sentinel and len(victims) < n:
-                victims.append(pid)
-                pid = prev[pid]
-        if len(victims) < n:
+        victims = self._pages.lru_victims(c, n, protected)
+        if not victims:
             return []
         self.forget(victims, lru_tail=not protected, reused=reuse)
         return victims

@@ -183,16 +183,13 @@ def resident_prefix(pages: PageTable, index: BlockIndex, ns_id: int, hashes: Seq
     if first is None:
         return []
     n = len(hashes)
+    found: list[int | None]
     if pages.block_hash[first : first + n] == list(hashes) and pages.ns_of[first : first + n].count(ns_id) == n:
         found = list(range(first, first + n))
     else:
-        found = index.get_many(hashes)  # type: ignore[assignment]
-        if None in found:
-            del found[found.index(None) :]  # type: ignore[arg-type]
-    states = bytes(map(pages.state.__getitem__, found))
-    if states.count(SEALED) != len(found):  # an inflight page ends the resident prefix too
-        del found[next(i for i, st in enumerate(states) if st != SEALED) :]
-    return found
+        found = index.get_many(hashes)
+    del found[pages.sealed_prefix(found) :]  # a hash not stored or an inflight page ends the resident prefix
+    return found  # type: ignore[return-value]
 
 
 def compare_layouts(stored: Layout, instance: Layout) -> tuple[str, str] | None:

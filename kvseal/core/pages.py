@@ -42,11 +42,17 @@ is theirs: the allocator (slabs.py) places carved pages (`place`) and sets `slab
 from __future__ import annotations
 
 import enum
+import os
 from array import array
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from itertools import islice, repeat
+
+try:
+    from kvseal.core import _table
+except ImportError:  # not built: the Python reference runs
+    _table = None  # type: ignore[assignment]
 
 FREE, INFLIGHT, SEALED, SENTINEL = 0, 1, 2, 3  # PageTable.state values
 PAGE_TABLE_CHUNK = 4096  # page ids the page table grows by when none is free
@@ -103,7 +109,7 @@ class PageTable:
         self.lru_len: list[int] = []  # pages in the ring: the class's evictable pages
         # per slab
         self.slab_class = [-1] * n_slabs  # which class the slab serves (-1: free); set by slabs.py only
-        self.slab_busy = [0] * n_slabs  # its inflight or pinned pages: a slab with none can be emptied
+        self.slab_busy = array("i", bytes(4 * n_slabs))  # its inflight or pinned pages: a slab with none can go
         # totals
         self.inflight_bytes = 0
         self.sealed_bytes = 0
@@ -354,6 +360,32 @@ class PageTable:
         nxt[sentinel] = first
         self.lru_len[c] += len(pids)
 
+    def lru_victims(self, c: int, n: int, protected: Collection[int] = ()) -> list[int]:
+        """The n least recently used pages of class c that are not in `protected`, least recent first; [] when the
+        ring has fewer."""
+        prev = self.prev
+        sentinel = self.sentinel[c]  # sentinel.prev is the least recently used page
+        victims: list[int] = []
+        pid = prev[sentinel]
+        if protected:
+            while pid != sentinel and len(victims) < n:
+                if pid not in protected:
+                    victims.append(pid)
+                pid = prev[pid]
+        else:
+            while pid != sentinel and len(victims) < n:
+                victims.append(pid)
+                pid = prev[pid]
+        return victims if len(victims) == n else []
+
+    def sealed_prefix(self, found: Sequence[int | None]) -> int:
+        """How many leading entries of `found` (page ids; None: a hash not stored) are sealed pages."""
+        state = self.state
+        for k, pid in enumerate(found):
+            if pid is None or state[pid] != SEALED:
+                return k
+        return len(found)
+
     def evictable(self, pids: Sequence[int]) -> list[int]:
         """The listed pages that are sealed and unpinned (those in a ring), in list order."""
         state, pins = self.state, self.pins
@@ -457,7 +489,7 @@ class PageTable:
         assert by_state_bytes[INFLIGHT] == self.inflight_bytes
         assert by_state_bytes[SEALED] == self.sealed_bytes
         assert pinned == self.pinned_blocks
-        assert slab_busy == self.slab_busy
+        assert slab_busy == list(self.slab_busy)
         lru_pages = 0
         for c, sentinel in enumerate(self.sentinel):
             ring = 0
@@ -472,3 +504,104 @@ class PageTable:
             lru_pages += ring
         assert lru_pages == self.resident_blocks - self.pinned_blocks
         return slab_used
+
+
+class NativePageTable(PageTable):
+    """The same page table with its hot batch loops in C (kvseal/core/_table.c) over the same arrays: what the
+    store uses when the extension is built, unless KVSEAL_TABLE=python. PageTable's methods are its reference
+    (tests/test_table.py compares the two after every step of the same operations)."""
+
+    def open(self, pids: list[int], ns_id: int, hashes: Sequence[bytes], writers: int, deadline: float) -> None:
+        if not pids:
+            return
+        if len(pids) != len(hashes):
+            raise ValueError("open: one hash per page id")
+        assert _table is not None
+        _table.open(
+            self.state,
+            self.ns_of,
+            self.writers,
+            self.slab_busy,
+            self.slab_of,
+            self.block_hash,
+            pids,
+            hashes,
+            ns_id,
+            writers,
+        )
+        self.cells.update(dict.fromkeys(pids, 0))
+        self.deadline.update(dict.fromkeys(pids, deadline))
+        self.inflight_bytes += len(pids) * self.class_bytes[self.slab_class[self.slab_of[pids[0]]]]
+
+    def end_writes(self, pids: Sequence[int], written: int, full_mask: int) -> tuple[list[int], list[int]]:
+        assert _table is not None
+        return _table.end_writes(self.writers, self.cells, self.deadline, pids, written, full_mask)
+
+    def seal(self, pids: list[int]) -> None:
+        assert _table is not None
+        c = self.slab_class[self.slab_of[pids[0]]]
+        _table.seal(self.state, self.prev, self.next, self.slab_busy, self.slab_of, pids, self.sentinel[c])
+        if self.refill:
+            self.refill.difference_update(pids)
+        n = len(pids)
+        self.lru_len[c] += n
+        size = n * self.class_bytes[c]
+        self.inflight_bytes -= size
+        self.sealed_bytes += size
+        self.resident_blocks += n
+
+    def pin(self, pids: Sequence[int]) -> None:
+        assert _table is not None
+        newly = _table.pin(self.pins, self.prev, self.next, self.slab_busy, self.slab_of, pids)
+        if newly:
+            c = self.slab_class[self.slab_of[pids[0]]]
+            self.lru_len[c] -= newly
+            self.pinned_blocks += newly
+            self.pinned_bytes += newly * self.class_bytes[c]
+
+    def unpin(self, pids: Sequence[int]) -> None:
+        if not pids:
+            return
+        assert _table is not None
+        c = self.slab_class[self.slab_of[pids[0]]]
+        unpinned = _table.unpin(self.pins, self.prev, self.next, self.slab_busy, self.slab_of, pids, self.sentinel[c])
+        if unpinned:
+            self.lru_len[c] += unpinned
+            self.pinned_blocks -= unpinned
+            self.pinned_bytes -= unpinned * self.class_bytes[c]
+
+    def forget(self, pids: Sequence[int], *, lru_tail: bool = False, reused: bool = False) -> None:
+        if not pids:
+            return
+        assert _table is not None
+        _table.forget(self.state, self.prev, self.next, self.block_hash, pids, lru_tail, reused)
+        c = self.slab_class[self.slab_of[pids[0]]]
+        n = len(pids)
+        self.lru_len[c] -= n
+        self.resident_blocks -= n
+        self.sealed_bytes -= n * self.class_bytes[c]
+
+    def lru_victims(self, c: int, n: int, protected: Collection[int] = ()) -> list[int]:
+        assert _table is not None
+        return _table.lru_victims(self.prev, self.sentinel[c], n, set(protected) if protected else None)
+
+    def sealed_prefix(self, found: Sequence[int | None]) -> int:
+        assert _table is not None
+        return _table.sealed_prefix(self.state, found)
+
+    def offsets(self, pids: Sequence[int]) -> list[int]:
+        assert _table is not None
+        return _table.gather(self.offset, pids)
+
+
+def page_table(n_slabs: int, kind: str | None = None) -> PageTable:
+    """The page table the store uses: `kind` "native" (the C loops; an error when the extension is not built) or
+    "python" (the reference); None reads KVSEAL_TABLE, native when the extension is built, else python."""
+    kind = kind or os.environ.get("KVSEAL_TABLE", "") or ("native" if _table is not None else "python")
+    if kind == "python":
+        return PageTable(n_slabs)
+    if kind != "native":
+        raise ValueError(f"KVSEAL_TABLE must be native or python, not {kind!r}")
+    if _table is None:
+        raise RuntimeError("the native page table (kvseal/core/_table.c) is not built: pip install -e . builds it")
+    return NativePageTable(n_slabs)

@@ -49,7 +49,17 @@ from kvseal.core.index import (  # noqa: F401
 )
 from kvseal.core.layout import Layout
 from kvseal.core.leases import Lease, Leases
-from kvseal.core.pages import FREE, INFLIGHT, SEALED, SENTINEL, PageState, PageStatus, PageTable  # noqa: F401
+from kvseal.core.pages import (  # noqa: F401
+    FREE,
+    INFLIGHT,
+    SEALED,
+    SENTINEL,
+    NativePageTable,
+    PageState,
+    PageStatus,
+    PageTable,
+    page_table,
+)
 from kvseal.core.slabs import DRAIN_PASSES, PAGE_ALIGN, RECLAIM_STEP_PAGES, Slabs, SlabStatistics, page_stride  # noqa: F401
 from kvseal.errors import NotFound, quote
 
@@ -126,8 +136,10 @@ class BlockStore:
         inflight_timeout_s: float = 60.0,
         lease_ttl_s: float = 30.0,
         reclaim_step_pages: int = RECLAIM_STEP_PAGES,
+        table: str | None = None,
     ) -> None:
-        """`reclaim_step_pages`: the most page ids one call looks at while emptying a slab for another class."""
+        """`reclaim_step_pages`: the most page ids one call looks at while emptying a slab for another class;
+        `table`: "native" or "python" page table (pages.page_table; None: KVSEAL_TABLE, else native if built)."""
         if reclaim_step_pages < 1:
             raise ValueError(f"reclaim_step_pages must be >= 1, got {reclaim_step_pages}")
         slab_bytes = min(slab_bytes, arena_bytes) // PAGE_ALIGN * PAGE_ALIGN
@@ -144,7 +156,8 @@ class BlockStore:
 
         self._namespaces = Namespaces()
         self._changes = ChangeLog()
-        self._pages = PageTable(self.n_slabs)
+        self._pages = page_table(self.n_slabs, table)
+        self.table = "native" if isinstance(self._pages, NativePageTable) else "python"
         self._eviction = Eviction(self._pages, self._namespaces, self._changes)
         self._slabs = Slabs(self._pages, self._eviction, self.n_slabs, slab_bytes)
         self._leases = Leases()
@@ -378,6 +391,10 @@ class BlockStore:
 
     def page_offset(self, pid: int) -> int:
         return self._pages.offset[pid]
+
+    def page_hashes(self, pids: Sequence[int]) -> list[bytes]:
+        """The hashes of pages in use."""
+        return list(map(self._pages.block_hash.__getitem__, pids))  # type: ignore[arg-type]
 
     def page_hash(self, pid: int) -> bytes:
         block_hash = self._pages.block_hash[pid]

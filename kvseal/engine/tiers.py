@@ -121,7 +121,7 @@ class Tiers:
         """Hands freshly sealed pages the SSD does not hold to its writers, pinned until written. Under the lock."""
         if not pages:
             return
-        hashes = [self.store.page_hash(pid) for pid in pages]
+        hashes = self.store.page_hashes(pages)
         absent = self.ssd.absent(key, hashes)
         if not absent:
             return

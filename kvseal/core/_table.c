@@ -1,0 +1,463 @@
+/* The page table's hot loops in C (kvseal.core.pages.NativePageTable): the same batch operations as the Python
+ * PageTable, on the same arrays (array.array objects the Python class owns), one call per batch instead of a
+ * Python loop per page. pages.py's Python methods are the reference: tests/test_table.py drives both with the same
+ * operations and compares every array after each step.
+ *
+ * Arrays (as pages.py declares them): state int8, pins / prev / next / slab_of / ns_of / writers / slab_busy int32,
+ * offset int64. Page ids come as any sequence of ints and are range-checked (IndexError): a caller bug raises, it
+ * never writes outside an array. Values follow pages.py: FREE 0, INFLIGHT 1, SEALED 2.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+enum { FREE = 0, INFLIGHT = 1, SEALED = 2 };
+
+typedef struct {
+    Py_buffer view;
+    Py_ssize_t n;
+} Arr;
+
+static int get(PyObject *obj, Arr *a, Py_ssize_t itemsize, const char *name) {
+    if (PyObject_GetBuffer(obj, &a->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    if (a->view.itemsize != itemsize) {
+        PyErr_Format(PyExc_TypeError, "%s must be an array of %zd-byte items", name, itemsize);
+        PyBuffer_Release(&a->view);
+        return -1;
+    }
+    a->n = a->view.len / itemsize;
+    return 0;
+}
+
+#define I32(a) ((int32_t *)(a).view.buf)
+#define I8(a) ((int8_t *)(a).view.buf)
+#define I64(a) ((int64_t *)(a).view.buf)
+
+/* pids as C ints, each checked against `limit`; NULL with an exception set otherwise. Free with PyMem_Free. */
+static Py_ssize_t *ids(PyObject *seq, Py_ssize_t limit, Py_ssize_t *count) {
+    PyObject *fast = PySequence_Fast(seq, "page ids must be a sequence");
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    Py_ssize_t *out = PyMem_Malloc((n ? n : 1) * sizeof(Py_ssize_t));
+    if (out == NULL) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t v = PyLong_AsSsize_t(items[i]);
+        if (v == -1 && PyErr_Occurred()) goto fail;
+        if (v < 0 || v >= limit) {
+            PyErr_Format(PyExc_IndexError, "page id %zd is out of the table (%zd ids)", v, limit);
+            goto fail;
+        }
+        out[i] = v;
+    }
+    Py_DECREF(fast);
+    *count = n;
+    return out;
+fail:
+    Py_DECREF(fast);
+    PyMem_Free(out);
+    return NULL;
+}
+
+static void release(Arr *arrs, int n) {
+    for (int i = 0; i < n; i++) PyBuffer_Release(&arrs[i].view);
+}
+
+/* Puts pids at the most recently used end of the ring whose sentinel is given, in order (the last most recent). */
+static void link_mru(int32_t *prev, int32_t *next, const Py_ssize_t *pids, Py_ssize_t n, Py_ssize_t sentinel) {
+    int32_t first = next[sentinel];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t pid = (int32_t)pids[i];
+        prev[first] = pid;
+        next[pid] = first;
+        first = pid;
+    }
+    prev[first] = (int32_t)sentinel;
+    next[sentinel] = first;
+}
+
+PyDoc_STRVAR(pin_doc, "pin(pins, prev, next, slab_busy, slab_of, pids) -> pages pinned for the first time");
+static PyObject *pin(PyObject *self, PyObject *args) {
+    PyObject *o[6];
+    if (!PyArg_ParseTuple(args, "OOOOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5])) return NULL;
+    Arr a[5];
+    const char *names[5] = {"pins", "prev", "next", "slab_busy", "slab_of"};
+    int got = 0;
+    PyObject *result = NULL;
+    Py_ssize_t n = 0, *pids = NULL;
+    for (; got < 5; got++)
+        if (get(o[got], &a[got], 4, names[got]) < 0) goto done;
+    if ((pids = ids(o[5], a[0].n, &n)) == NULL) goto done;
+    int32_t *pins = I32(a[0]), *prev = I32(a[1]), *next = I32(a[2]), *busy = I32(a[3]), *slab_of = I32(a[4]);
+    Py_ssize_t newly = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t pid = pids[i];
+        if (pins[pid] == 0) {
+            int32_t p = prev[pid], q = next[pid];
+            next[p] = q;
+            prev[q] = p;
+            busy[slab_of[pid]] += 1;
+            newly++;
+        }
+        pins[pid] += 1;
+    }
+    result = PyLong_FromSsize_t(newly);
+done:
+    PyMem_Free(pids);
+    release(a, got);
+    return result;
+}
+
+PyDoc_STRVAR(unpin_doc,
+             "unpin(pins, prev, next, slab_busy, slab_of, pids, sentinel) -> pages left without pins (linked at the\n"
+             "ring's most recently used end, in order)");
+static PyObject *unpin(PyObject *self, PyObject *args) {
+    PyObject *o[6];
+    Py_ssize_t sentinel;
+    if (!PyArg_ParseTuple(args, "OOOOOOn", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &sentinel)) return NULL;
+    Arr a[5];
+    const char *names[5] = {"pins", "prev", "next", "slab_busy", "slab_of"};
+    int got = 0;
+    PyObject *result = NULL;
+    Py_ssize_t n = 0, *pids = NULL;
+    for (; got < 5; got++)
+        if (get(o[got], &a[got], 4, names[got]) < 0) goto done;
+    if ((pids = ids(o[5], a[0].n, &n)) == NULL) goto done;
+    if (sentinel < 0 || sentinel >= a[0].n) {
+        PyErr_SetString(PyExc_IndexError, "sentinel is out of the table");
+        goto done;
+    }
+    int32_t *pins = I32(a[0]), *prev = I32(a[1]), *next = I32(a[2]), *busy = I32(a[3]), *slab_of = I32(a[4]);
+    Py_ssize_t k = 0; /* the unpinned pages, compacted at the front of pids */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t pid = pids[i];
+        if (--pins[pid] == 0) {
+            busy[slab_of[pid]] -= 1;
+            pids[k++] = pid;
+        }
+    }
+    if (k) link_mru(prev, next, pids, k, sentinel);
+    result = PyLong_FromSsize_t(k);
+done:
+    PyMem_Free(pids);
+    release(a, got);
+    return result;
+}
+
+PyDoc_STRVAR(seal_doc, "seal(state, prev, next, slab_busy, slab_of, pids, sentinel): INFLIGHT -> SEALED, linked MRU");
+static PyObject *seal(PyObject *self, PyObject *args) {
+    PyObject *o[6];
+    Py_ssize_t sentinel;
+    if (!PyArg_ParseTuple(args, "OOOOOOn", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &sentinel)) return NULL;
+    Arr a[5];
+    Py_ssize_t sizes[5] = {1, 4, 4, 4, 4};
+    const char *names[5] = {"state", "prev", "next", "slab_busy", "slab_of"};
+    int got = 0;
+    PyObject *result = NULL;
+    Py_ssize_t n = 0, *pids = NULL;
+    for (; got < 5; got++)
+        if (get(o[got], &a[got], sizes[got], names[got]) < 0) goto done;
+    if ((pids = ids(o[5], a[0].n, &n)) == NULL) goto done;
+    if (sentinel < 0 || sentinel >= a[0].n) {
+        PyErr_SetString(PyExc_IndexError, "sentinel is out of the table");
+        goto done;
+    }
+    int8_t *state = I8(a[0]);
+    int32_t *busy = I32(a[3]), *slab_of = I32(a[4]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        state[pids[i]] = SEALED;
+        busy[slab_of[pids[i]]] -= 1;
+    }
+    link_mru(I32(a[1]), I32(a[2]), pids, n, sentinel);
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_Free(pids);
+    release(a, got);
+    return result;
+}
+
+PyDoc_STRVAR(forget_doc,
+             "forget(state, prev, next, block_hash, pids, lru_tail, reused): sealed pages leave their ring (run by\n"
+             "run, or in one splice when lru_tail) and, unless reused, become FREE with no hash");
+static PyObject *forget(PyObject *self, PyObject *args) {
+    PyObject *o[3], *hashes, *pid_seq;
+    int lru_tail, reused;
+    if (!PyArg_ParseTuple(args, "OOOO!Opp", &o[0], &o[1], &o[2], &PyList_Type, &hashes, &pid_seq, &lru_tail,
+                          &reused))
+        return NULL;
+    Arr a[3];
+    Py_ssize_t sizes[3] = {1, 4, 4};
+    const char *names[3] = {"state", "prev", "next"};
+    int got = 0;
+    PyObject *result = NULL;
+    Py_ssize_t n = 0, *pids = NULL;
+    for (; got < 3; got++)
+        if (get(o[got], &a[got], sizes[got], names[got]) < 0) goto done;
+    if ((pids = ids(pid_seq, a[0].n, &n)) == NULL) goto done;
+    if (PyList_GET_SIZE(hashes) != a[0].n) {
+        PyErr_SetString(PyExc_ValueError, "block_hash must have one entry per page id");
+        goto done;
+    }
+    int8_t *state = I8(a[0]);
+    int32_t *prev = I32(a[1]), *next = I32(a[2]);
+    if (n) {
+        if (!reused) {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                state[pids[i]] = FREE;
+                PyObject *old = PyList_GET_ITEM(hashes, pids[i]);
+                PyList_SET_ITEM(hashes, pids[i], Py_NewRef(Py_None));
+                Py_XDECREF(old);
+            }
+        }
+        int32_t first = (int32_t)pids[0], last = (int32_t)pids[0];
+        if (lru_tail) {
+            last = (int32_t)pids[n - 1];
+        } else { /* pages that follow each other in the ring, less recent first, leave it run by run */
+            for (Py_ssize_t i = 1; i < n; i++) {
+                int32_t pid = (int32_t)pids[i];
+                if (prev[last] == pid) {
+                    last = pid;
+                    continue;
+                }
+                int32_t p = prev[last], q = next[first];
+                next[p] = q;
+                prev[q] = p;
+                first = last = pid;
+            }
+        }
+        int32_t p = prev[last], q = next[first];
+        next[p] = q;
+        prev[q] = p;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_Free(pids);
+    release(a, got);
+    return result;
+}
+
+PyDoc_STRVAR(lru_victims_doc,
+             "lru_victims(prev, sentinel, n, protected) -> the n least recently used pages of the ring not in\n"
+             "protected (a set, or None), least recent first; [] when it has fewer");
+static PyObject *lru_victims(PyObject *self, PyObject *args) {
+    PyObject *prev_obj, *protected;
+    Py_ssize_t sentinel, n;
+    if (!PyArg_ParseTuple(args, "OnnO", &prev_obj, &sentinel, &n, &protected)) return NULL;
+    Arr a;
+    if (get(prev_obj, &a, 4, "prev") < 0) return NULL;
+    PyObject *out = NULL;
+    if (sentinel < 0 || sentinel >= a.n) {
+        PyErr_SetString(PyExc_IndexError, "sentinel is out of the table");
+        goto done;
+    }
+    if (protected != Py_None && !PyAnySet_Check(protected)) {
+        PyErr_SetString(PyExc_TypeError, "protected must be a set or None");
+        goto done;
+    }
+    if ((out = PyList_New(0)) == NULL) goto done;
+    int32_t *prev = I32(a);
+    int32_t pid = prev[sentinel];
+    Py_ssize_t steps = 0;
+    while (pid != sentinel && PyList_GET_SIZE(out) < n) {
+        if (++steps > a.n || pid < 0 || pid >= a.n) {
+            PyErr_SetString(PyExc_RuntimeError, "the LRU ring is broken");
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyObject *v = PyLong_FromLong(pid);
+        if (v == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        int skip = protected != Py_None ? PySet_Contains(protected, v) : 0;
+        if (skip < 0 || (!skip && PyList_Append(out, v) < 0)) {
+            Py_DECREF(v);
+            Py_CLEAR(out);
+            goto done;
+        }
+        Py_DECREF(v);
+        pid = prev[pid];
+    }
+    if (PyList_GET_SIZE(out) < n) PyList_SetSlice(out, 0, PyList_GET_SIZE(out), NULL);
+done:
+    PyBuffer_Release(&a.view);
+    return out;
+}
+
+PyDoc_STRVAR(open_doc,
+             "open(state, ns_of, writers, slab_busy, slab_of, block_hash, pids, hashes, ns_id, writer_count):\n"
+             "pages FREE -> INFLIGHT for hashes[k], each with writer_count open plans");
+static PyObject *open_pages(PyObject *self, PyObject *args) {
+    PyObject *o[5], *block_hash, *pid_seq, *hash_seq;
+    int ns_id, writer_count;
+    if (!PyArg_ParseTuple(args, "OOOOOO!OOii", &o[0], &o[1], &o[2], &o[3], &o[4], &PyList_Type, &block_hash,
+                          &pid_seq, &hash_seq, &ns_id, &writer_count))
+        return NULL;
+    Arr a[5];
+    Py_ssize_t sizes[5] = {1, 4, 4, 4, 4};
+    const char *names[5] = {"state", "ns_of", "writers", "slab_busy", "slab_of"};
+    int got = 0;
+    PyObject *result = NULL, *fast = NULL;
+    Py_ssize_t n = 0, *pids = NULL;
+    for (; got < 5; got++)
+        if (get(o[got], &a[got], sizes[got], names[got]) < 0) goto done;
+    if ((pids = ids(pid_seq, a[0].n, &n)) == NULL) goto done;
+    if ((fast = PySequence_Fast(hash_seq, "hashes must be a sequence")) == NULL) goto done;
+    if (PySequence_Fast_GET_SIZE(fast) != n || PyList_GET_SIZE(block_hash) != a[0].n) {
+        PyErr_SetString(PyExc_ValueError, "one hash per page id, and one block_hash entry per page of the table");
+        goto done;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    int8_t *state = I8(a[0]);
+    int32_t *ns_of = I32(a[1]), *writers = I32(a[2]), *busy = I32(a[3]), *slab_of = I32(a[4]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t pid = pids[i];
+        state[pid] = INFLIGHT;
+        ns_of[pid] = ns_id;
+        writers[pid] = writer_count;
+        busy[slab_of[pid]] += 1;
+        PyObject *old = PyList_GET_ITEM(block_hash, pid);
+        PyList_SET_ITEM(block_hash, pid, Py_NewRef(items[i]));
+        Py_XDECREF(old);
+    }
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(fast);
+    PyMem_Free(pids);
+    release(a, got);
+    return result;
+}
+
+PyDoc_STRVAR(sealed_prefix_doc,
+             "sealed_prefix(state, found) -> how many leading entries of found (page ids or None) are SEALED pages");
+static PyObject *sealed_prefix(PyObject *self, PyObject *args) {
+    PyObject *state_obj, *found;
+    if (!PyArg_ParseTuple(args, "OO", &state_obj, &found)) return NULL;
+    Arr a;
+    if (get(state_obj, &a, 1, "state") < 0) return NULL;
+    PyObject *result = NULL, *fast = PySequence_Fast(found, "found must be a sequence");
+    if (fast == NULL) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), k = 0;
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    int8_t *state = I8(a);
+    for (; k < n; k++) {
+        if (items[k] == Py_None) break;
+        Py_ssize_t pid = PyLong_AsSsize_t(items[k]);
+        if (pid == -1 && PyErr_Occurred()) goto done;
+        if (pid < 0 || pid >= a.n) {
+            PyErr_Format(PyExc_IndexError, "page id %zd is out of the table", pid);
+            goto done;
+        }
+        if (state[pid] != SEALED) break;
+    }
+    result = PyLong_FromSsize_t(k);
+done:
+    Py_XDECREF(fast);
+    PyBuffer_Release(&a.view);
+    return result;
+}
+
+PyDoc_STRVAR(gather_doc, "gather(offset, pids) -> [offset[pid] for pid in pids] (int64 array)");
+static PyObject *gather(PyObject *self, PyObject *args) {
+    PyObject *arr_obj, *pid_seq;
+    if (!PyArg_ParseTuple(args, "OO", &arr_obj, &pid_seq)) return NULL;
+    Arr a;
+    if (get(arr_obj, &a, 8, "offset") < 0) return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t n = 0, *pids = ids(pid_seq, a.n, &n);
+    if (pids == NULL) goto done;
+    if ((out = PyList_New(n)) == NULL) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromLongLong(I64(a)[pids[i]]);
+        if (v == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+done:
+    PyMem_Free(pids);
+    PyBuffer_Release(&a.view);
+    return out;
+}
+
+PyDoc_STRVAR(end_writes_doc,
+             "end_writes(writers, cells, deadline, pids, written, full_mask) -> (complete, empty): one writer of\n"
+             "each listed inflight page finished, having written `written`; the pages whose last writer that was\n"
+             "leave the inflight dicts");
+static PyObject *end_writes(PyObject *self, PyObject *args) {
+    PyObject *writers_obj, *cells, *deadlines, *pid_seq, *written, *full_mask;
+    if (!PyArg_ParseTuple(args, "OO!O!OOO", &writers_obj, &PyDict_Type, &cells, &PyDict_Type, &deadlines, &pid_seq,
+                          &written, &full_mask))
+        return NULL;
+    Arr a;
+    if (get(writers_obj, &a, 4, "writers") < 0) return NULL;
+    PyObject *complete = PyList_New(0), *empty = PyList_New(0), *result = NULL;
+    PyObject *fast = PySequence_Fast(pid_seq, "page ids must be a sequence");
+    if (complete == NULL || empty == NULL || fast == NULL) goto done;
+    int32_t *writers = I32(a);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = items[i];
+        PyObject *mask = PyDict_GetItemWithError(cells, key); /* borrowed */
+        if (mask == NULL) {
+            if (PyErr_Occurred()) goto done;
+            continue;
+        }
+        Py_ssize_t pid = PyLong_AsSsize_t(key);
+        if (pid == -1 && PyErr_Occurred()) goto done;
+        if (pid < 0 || pid >= a.n) {
+            PyErr_Format(PyExc_IndexError, "page id %zd is out of the table", pid);
+            goto done;
+        }
+        PyObject *now = PyNumber_Or(mask, written);
+        if (now == NULL) goto done;
+        int32_t left = --writers[pid];
+        int full = left == 0 ? PyObject_RichCompareBool(now, full_mask, Py_EQ) : 0;
+        int none = left == 0 && !full ? !PyObject_IsTrue(now) : 0;
+        int rc = 0;
+        if (full < 0 || none < 0) {
+            rc = -1;
+        } else if (full || none) {
+            rc = PyList_Append(full ? complete : empty, key);
+            if (rc == 0) rc = PyDict_DelItem(cells, key);
+            if (rc == 0) rc = PyDict_DelItem(deadlines, key);
+        } else {
+            rc = PyDict_SetItem(cells, key, now);
+        }
+        Py_DECREF(now);
+        if (rc < 0) goto done;
+    }
+    result = PyTuple_Pack(2, complete, empty);
+done:
+    Py_XDECREF(fast);
+    Py_XDECREF(complete);
+    Py_XDECREF(empty);
+    PyBuffer_Release(&a.view);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"pin", pin, METH_VARARGS, pin_doc},
+    {"unpin", unpin, METH_VARARGS, unpin_doc},
+    {"seal", seal, METH_VARARGS, seal_doc},
+    {"forget", forget, METH_VARARGS, forget_doc},
+    {"lru_victims", lru_victims, METH_VARARGS, lru_victims_doc},
+    {"open", open_pages, METH_VARARGS, open_doc},
+    {"sealed_prefix", sealed_prefix, METH_VARARGS, sealed_prefix_doc},
+    {"gather", gather, METH_VARARGS, gather_doc},
+    {"end_writes", end_writes, METH_VARARGS, end_writes_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvseal.core._table", "The page table's batch operations in C (see _table.c).", -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__table(void) { return PyModule_Create(&module); }
