@@ -10,6 +10,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 enum { FREE = 0, INFLIGHT = 1, SEALED = 2 };
 
@@ -442,6 +443,306 @@ done:
     return result;
 }
 
+
+/* ------------------------------------------------------------------------------------------------ Index
+ *
+ * A namespace's block hash -> page id map (index.py's BlockIndex, in C). Like BlockIndex it is split into
+ * INDEX_SHARDS shards by the key's Python hash (hash(key) & (INDEX_SHARDS - 1)), so a shard that grows copies
+ * 1/INDEX_SHARDS of the index; each shard keeps its entries in insertion order (an entries array and a table of
+ * slots pointing into it, as CPython's dict does), so items() and values() come out in exactly BlockIndex's
+ * order. Keys are bytes; the index holds a reference to each.
+ */
+
+#define INDEX_SHARDS 256
+#define EMPTY (-1)
+#define DUMMY (-2)
+
+typedef struct {
+    PyObject *key; /* NULL: deleted */
+    Py_hash_t hash;
+    int32_t pid;
+} Entry;
+
+typedef struct {
+    Entry *entries;
+    int32_t *slots;
+    Py_ssize_t n_entries; /* appended so far, deleted ones included (each holds a slot, live or DUMMY) */
+    Py_ssize_t used;      /* live */
+    Py_ssize_t mask;      /* slots - 1 (0: no table yet) */
+} Shard;
+
+typedef struct {
+    PyObject_HEAD Shard shards[INDEX_SHARDS];
+    Py_ssize_t used;
+} IndexObject;
+
+static Py_ssize_t usable(Py_ssize_t mask) { return mask ? (mask + 1) * 2 / 3 : 0; }
+
+static int key_hash(PyObject *key, Py_hash_t *hash) {
+    if (!PyBytes_Check(key)) {
+        PyErr_Format(PyExc_TypeError, "a block hash must be bytes, not %.50s", Py_TYPE(key)->tp_name);
+        return -1;
+    }
+    *hash = PyObject_Hash(key);
+    return *hash == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+static inline int same_key(const Entry *e, PyObject *key, Py_hash_t hash) {
+    if (e->key == key) return 1;
+    if (e->key == NULL || e->hash != hash) return 0;
+    Py_ssize_t n = PyBytes_GET_SIZE(key);
+    return PyBytes_GET_SIZE(e->key) == n && memcmp(PyBytes_AS_STRING(e->key), PyBytes_AS_STRING(key), n) == 0;
+}
+
+/* The slot holding key, or the negative of (1 + the first free slot met) when it is absent. */
+static Py_ssize_t find(const Shard *sh, PyObject *key, Py_hash_t hash) {
+    if (!sh->mask) return -1;
+    Py_ssize_t i = (Py_ssize_t)((size_t)hash >> 8) & sh->mask, free_slot = -1;
+    for (;;) {
+        int32_t ix = sh->slots[i];
+        if (ix == EMPTY) return -(1 + (free_slot >= 0 ? free_slot : i));
+        if (ix == DUMMY) {
+            if (free_slot < 0) free_slot = i;
+        } else if (same_key(&sh->entries[ix], key, hash)) {
+            return i;
+        }
+        i = (i + 1) & sh->mask;
+    }
+}
+
+/* Rebuilds the shard's table for `want` live entries at most 2/3 full, dropping deleted entries (order kept). */
+static int rebuild(Shard *sh, Py_ssize_t want) {
+    Py_ssize_t size = 8;
+    while (size * 2 / 3 < want + 1) size <<= 1;
+    Entry *entries = PyMem_Malloc(size * 2 / 3 * sizeof(Entry));
+    int32_t *slots = PyMem_Malloc(size * sizeof(int32_t));
+    if (entries == NULL || slots == NULL) {
+        PyMem_Free(entries);
+        PyMem_Free(slots);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < size; i++) slots[i] = EMPTY;
+    Py_ssize_t n = 0, mask = size - 1;
+    for (Py_ssize_t k = 0; k < sh->n_entries; k++) {
+        if (sh->entries[k].key == NULL) continue;
+        entries[n] = sh->entries[k];
+        Py_ssize_t i = (Py_ssize_t)((size_t)entries[n].hash >> 8) & mask;
+        while (slots[i] != EMPTY) i = (i + 1) & mask;
+        slots[i] = (int32_t)n++;
+    }
+    PyMem_Free(sh->entries);
+    PyMem_Free(sh->slots);
+    sh->entries = entries;
+    sh->slots = slots;
+    sh->n_entries = sh->used = n;
+    sh->mask = mask;
+    return 0;
+}
+
+static int index_set(IndexObject *self, PyObject *key, int32_t pid) {
+    Py_hash_t hash;
+    if (key_hash(key, &hash) < 0) return -1;
+    Shard *sh = &self->shards[hash & (INDEX_SHARDS - 1)];
+    Py_ssize_t at = find(sh, key, hash);
+    if (at >= 0) {
+        sh->entries[sh->slots[at]].pid = pid;
+        return 0;
+    }
+    if (sh->n_entries >= usable(sh->mask)) {
+        if (rebuild(sh, sh->used * 2 + 1) < 0) return -1;
+        at = find(sh, key, hash);
+    }
+    Py_ssize_t slot = -at - 1;
+    sh->entries[sh->n_entries] = (Entry){Py_NewRef(key), hash, pid};
+    sh->slots[slot] = (int32_t)sh->n_entries++;
+    sh->used++;
+    self->used++;
+    return 0;
+}
+
+/* The entry of key, NULL when absent (no exception) or on error (exception set). */
+static Entry *index_find(IndexObject *self, PyObject *key) {
+    Py_hash_t hash;
+    if (key_hash(key, &hash) < 0) return NULL;
+    Shard *sh = &self->shards[hash & (INDEX_SHARDS - 1)];
+    Py_ssize_t at = find(sh, key, hash);
+    return at >= 0 ? &sh->entries[sh->slots[at]] : NULL;
+}
+
+static int index_del(IndexObject *self, PyObject *key) {
+    Py_hash_t hash;
+    if (key_hash(key, &hash) < 0) return -1;
+    Shard *sh = &self->shards[hash & (INDEX_SHARDS - 1)];
+    Py_ssize_t at = find(sh, key, hash);
+    if (at < 0) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return -1;
+    }
+    Entry *e = &sh->entries[sh->slots[at]];
+    Py_CLEAR(e->key);
+    sh->slots[at] = DUMMY;
+    sh->used--;
+    self->used--;
+    return 0;
+}
+
+static PyObject *Index_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "Index() takes no arguments");
+        return NULL;
+    }
+    return type->tp_alloc(type, 0); /* zeroed: every shard empty */
+}
+
+static void Index_dealloc(IndexObject *self) {
+    for (int s = 0; s < INDEX_SHARDS; s++) {
+        Shard *sh = &self->shards[s];
+        for (Py_ssize_t k = 0; k < sh->n_entries; k++) Py_XDECREF(sh->entries[k].key);
+        PyMem_Free(sh->entries);
+        PyMem_Free(sh->slots);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static Py_ssize_t Index_len(IndexObject *self) { return self->used; }
+
+static PyObject *Index_getitem(IndexObject *self, PyObject *key) {
+    Entry *e = index_find(self, key);
+    if (e == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    return PyLong_FromLong(e->pid);
+}
+
+static int Index_ass_subscript(IndexObject *self, PyObject *key, PyObject *value) {
+    if (value == NULL) return index_del(self, key);
+    long pid = PyLong_AsLong(value);
+    if (pid == -1 && PyErr_Occurred()) return -1;
+    if (pid < 0 || pid > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "a page id is 0..2**31-1");
+        return -1;
+    }
+    return index_set(self, key, (int32_t)pid);
+}
+
+static int Index_contains(IndexObject *self, PyObject *key) {
+    Entry *e = index_find(self, key);
+    return e != NULL ? 1 : (PyErr_Occurred() ? -1 : 0);
+}
+
+static PyObject *Index_get(IndexObject *self, PyObject *key) {
+    Entry *e = index_find(self, key);
+    if (e == NULL) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    return PyLong_FromLong(e->pid);
+}
+
+static PyObject *Index_get_many(IndexObject *self, PyObject *keys) {
+    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        Entry *e = index_find(self, items[i]);
+        PyObject *v = e != NULL ? PyLong_FromLong(e->pid) : (PyErr_Occurred() ? NULL : Py_NewRef(Py_None));
+        if (v == NULL) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, v);
+    }
+    Py_DECREF(fast);
+    return out;
+}
+
+static PyObject *Index_update(IndexObject *self, PyObject *args) {
+    PyObject *keys, *pids;
+    if (!PyArg_ParseTuple(args, "OO", &keys, &pids)) return NULL;
+    PyObject *k = PySequence_Fast(keys, "keys must be a sequence");
+    if (k == NULL) return NULL;
+    PyObject *p = PySequence_Fast(pids, "page ids must be a sequence");
+    if (p == NULL) {
+        Py_DECREF(k);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(k);
+    if (PySequence_Fast_GET_SIZE(p) < n) n = PySequence_Fast_GET_SIZE(p); /* as map() over both: the shorter */
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (Index_ass_subscript(self, PySequence_Fast_GET_ITEM(k, i), PySequence_Fast_GET_ITEM(p, i)) < 0) goto done;
+    result = Py_NewRef(Py_None);
+done:
+    Py_DECREF(k);
+    Py_DECREF(p);
+    return result;
+}
+
+static PyObject *Index_remove(IndexObject *self, PyObject *keys) {
+    PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (index_del(self, PySequence_Fast_GET_ITEM(fast, i)) < 0) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+    }
+    Py_DECREF(fast);
+    Py_RETURN_NONE;
+}
+
+/* items (pairs) or values, shard by shard in insertion order: BlockIndex's order. */
+static PyObject *index_list(IndexObject *self, int pairs) {
+    PyObject *out = PyList_New(self->used);
+    Py_ssize_t at = 0;
+    for (int s = 0; out != NULL && s < INDEX_SHARDS; s++) {
+        Shard *sh = &self->shards[s];
+        for (Py_ssize_t k = 0; k < sh->n_entries; k++) {
+            Entry *e = &sh->entries[k];
+            if (e->key == NULL) continue;
+            PyObject *v = pairs ? Py_BuildValue("(Ol)", e->key, (long)e->pid) : PyLong_FromLong(e->pid);
+            if (v == NULL) {
+                Py_CLEAR(out);
+                break;
+            }
+            PyList_SET_ITEM(out, at++, v);
+        }
+    }
+    return out;
+}
+
+static PyObject *Index_items(IndexObject *self, PyObject *unused) { return index_list(self, 1); }
+static PyObject *Index_values(IndexObject *self, PyObject *unused) { return index_list(self, 0); }
+
+static PyMethodDef Index_methods[] = {
+    {"get", (PyCFunction)Index_get, METH_O, "get(key) -> page id or None"},
+    {"get_many", (PyCFunction)Index_get_many, METH_O, "get_many(keys) -> [page id or None per key]"},
+    {"update", (PyCFunction)Index_update, METH_VARARGS, "update(keys, pids): index[keys[k]] = pids[k]"},
+    {"remove", (PyCFunction)Index_remove, METH_O, "remove(keys): deletes keys that are all present"},
+    {"items", (PyCFunction)Index_items, METH_NOARGS, "[(key, page id)], in BlockIndex's order"},
+    {"values", (PyCFunction)Index_values, METH_NOARGS, "[page id], in BlockIndex's order"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMappingMethods Index_mapping = {
+    .mp_length = (lenfunc)Index_len,
+    .mp_subscript = (binaryfunc)Index_getitem,
+    .mp_ass_subscript = (objobjargproc)Index_ass_subscript,
+};
+
+static PySequenceMethods Index_sequence = {.sq_contains = (objobjproc)Index_contains};
+
+static PyTypeObject IndexType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvseal.core._table.Index",
+    .tp_doc = "A namespace's block hash -> page id map (kvseal.core.index.BlockIndex in C).",
+    .tp_basicsize = sizeof(IndexObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = Index_new,
+    .tp_dealloc = (destructor)Index_dealloc,
+    .tp_as_mapping = &Index_mapping,
+    .tp_as_sequence = &Index_sequence,
+    .tp_methods = Index_methods,
+};
+
 static PyMethodDef methods[] = {
     {"pin", pin, METH_VARARGS, pin_doc},
     {"unpin", unpin, METH_VARARGS, unpin_doc},
@@ -460,4 +761,13 @@ static struct PyModuleDef module = {
     methods,
 };
 
-PyMODINIT_FUNC PyInit__table(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__table(void) {
+    if (PyType_Ready(&IndexType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "Index", (PyObject *)&IndexType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

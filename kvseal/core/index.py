@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvseal.core.layout import Layout
 from kvseal.core.pages import INFLIGHT, SEALED, PageTable
+
+try:
+    from kvseal.core._table import Index as NativeIndex
+except ImportError:  # not built: BlockIndex only
+    NativeIndex = None  # type: ignore[assignment,misc]
 
 INDEX_SHARDS = 256  # dicts per namespace index (see BlockIndex), a power of two
 _SHARD_MASK = INDEX_SHARDS - 1
@@ -43,7 +49,7 @@ class BlockIndex:
     def __getitem__(self, key: bytes) -> int:
         return self._shards[hash(key) & _SHARD_MASK][key]
 
-    def __contains__(self, key: bytes) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self._shards[hash(key) & _SHARD_MASK]
 
     def __delitem__(self, key: bytes) -> None:
@@ -66,6 +72,22 @@ class BlockIndex:
         return itertools.chain.from_iterable(shard.values() for shard in self._shards)
 
 
+class HashIndex(Protocol):
+    """What the store asks of a namespace's index: BlockIndex, or its C twin kvseal.core._table.Index (the native
+    table's), which keeps the same order in items() and values()."""
+
+    def get(self, key: bytes) -> int | None: ...
+    def get_many(self, keys: Sequence[bytes]) -> list[int | None]: ...
+    def __getitem__(self, key: bytes) -> int: ...
+    def __contains__(self, key: object) -> bool: ...
+    def __delitem__(self, key: bytes) -> None: ...
+    def update(self, keys: Sequence[bytes], pids: Sequence[int]) -> None: ...
+    def remove(self, keys: Sequence[bytes]) -> None: ...
+    def __len__(self) -> int: ...
+    def items(self) -> Iterable[tuple[bytes, int]]: ...
+    def values(self) -> Iterable[int]: ...
+
+
 @dataclass(slots=True)
 class Namespace:
     """A tenant's final namespace: its index and its statistics (BlockStore.namespace_stats hands these out)."""
@@ -73,7 +95,7 @@ class Namespace:
     namespace_final: str
     layout_id: int
     tenant: int = 0  # whose blocks these are: the same final namespace of two tenants shares nothing
-    index: BlockIndex = field(default_factory=BlockIndex, repr=False)  # block hash -> page id (inflight or sealed)
+    index: HashIndex = field(default_factory=BlockIndex, repr=False)  # block hash -> page id (inflight or sealed)
     resident_blocks: int = 0
     resident_bytes: int = 0
     hits: int = 0
@@ -88,7 +110,9 @@ NamespaceStats = Namespace  # the record's former name
 class Namespaces:
     """Every namespace by id, and every layout by id (namespaces of one layout share its Layout)."""
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool = False) -> None:
+        """`native`: each namespace's index is kvseal.core._table.Index (the extension must be built)."""
+        self._new_index: Callable[[], HashIndex] = NativeIndex if native else BlockIndex
         self.records: list[Namespace] = []
         self.layouts: list[Layout] = []
         self._layout_ids: dict[bytes, int] = {}
@@ -103,7 +127,7 @@ class Namespaces:
             if layout_id == len(self.layouts):
                 self.layouts.append(layout)
             ns_id = len(self.records)
-            self.records.append(Namespace(namespace_final, layout_id, tenant))
+            self.records.append(Namespace(namespace_final, layout_id, tenant, self._new_index()))
             self._ids[key] = ns_id
         return ns_id
 
@@ -170,7 +194,7 @@ class ChangeLog:
             self._entries.extend(zip(itertools.repeat(resident), ns_ids, hashes))  # type: ignore[arg-type]
 
 
-def resident_prefix(pages: PageTable, index: BlockIndex, ns_id: int, hashes: Sequence[bytes]) -> list[int]:
+def resident_prefix(pages: PageTable, index: HashIndex, ns_id: int, hashes: Sequence[bytes]) -> list[int]:
     """Page ids of the leading hashes that are sealed in the namespace (ns_id, whose index this is).
 
     A prompt's blocks are mostly saved in one batch, so their pages mostly have consecutive ids: the run of

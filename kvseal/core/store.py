@@ -139,7 +139,8 @@ class BlockStore:
         table: str | None = None,
     ) -> None:
         """`reclaim_step_pages`: the most page ids one call looks at while emptying a slab for another class;
-        `table`: "native" or "python" page table (pages.page_table; None: KVSEAL_TABLE, else native if built)."""
+        `table`: "native" (the page table's loops and the namespaces' indexes in C) or "python" (the reference);
+        None: KVSEAL_TABLE, else native when the extension is built (pages.page_table)."""
         if reclaim_step_pages < 1:
             raise ValueError(f"reclaim_step_pages must be >= 1, got {reclaim_step_pages}")
         slab_bytes = min(slab_bytes, arena_bytes) // PAGE_ALIGN * PAGE_ALIGN
@@ -154,10 +155,10 @@ class BlockStore:
         self.lease_ttl_s = lease_ttl_s
         self.reclaim_step_pages = reclaim_step_pages
 
-        self._namespaces = Namespaces()
-        self._changes = ChangeLog()
         self._pages = page_table(self.n_slabs, table)
         self.table = "native" if isinstance(self._pages, NativePageTable) else "python"
+        self._namespaces = Namespaces(native=self.table == "native")
+        self._changes = ChangeLog()
         self._eviction = Eviction(self._pages, self._namespaces, self._changes)
         self._slabs = Slabs(self._pages, self._eviction, self.n_slabs, slab_bytes)
         self._leases = Leases()
