@@ -5,9 +5,10 @@ replayed workload.
     kvseal bench ops [--quick] [--baseline REV]
 
 latency   one client process (its own instance, one 4 KiB layer), per batch of 1, 64, 1024 and 4096 hashes:
-          Save of fresh hashes, Query of the same hashes, Load of them under the query's lease; and the lane's
-          floor, a PING carrying as many bytes as the Query's frame and as the Save's (receive, frame, answer,
-          send; the engine reads none of it). Median µs per call; frames are encoded before the clock starts.
+          Save of fresh hashes, Query of the same hashes, Load of them under a query's lease; and the lane's
+          floor, PINGs carrying as many bytes as the Query's frame and as the Save's (receive, frame, answer,
+          send; the engine reads none of it). Each kind timed in a run of its own, right after another call
+          (_latency says why). Median µs per call; frames are encoded before the clock starts.
 scaling   1, then 2 client processes at once, each looping Save + Query + Load of `SCALE_BATCH` fresh hashes for
           a few seconds: calls/s together, and 2 clients / 1.
 replay    kvseal.bench.workload's multi-turn chats over shared system prompts, 16- and 512-token blocks, one
@@ -92,26 +93,45 @@ def _cycle(client: EngineClient, key: tuple[str, int, int], hashes: list[bytes],
 
 
 def _latency(client: EngineClient, key: tuple[str, int, int], batches: list[int], reps: int, ping: bool) -> dict:
+    """Per batch, each call timed in a run of its own kind, so that every timed call follows another lane call at
+    once (a call after the client slept measured up to 2.5x slower on these machines): `n` Saves of fresh hashes;
+    a Query of each saved batch (its lease released, untimed); a Load of each under a fresh lease (the Query that
+    gives it untimed); then `n` PINGs of each frame size. Frames are encoded off the clock."""
     hashes = Hashes()
+    call = client.lane_call
     out: dict[str, dict[int, float]] = {}
     for b in batches:
         ids = list(range(b))
         n = max(5, min(reps, 40 * reps // b))
-        samples: dict[str, list[float]] = {"save": [], "query": [], "load": [], "ping_query": [], "ping_save": []}
-        for _ in range(n):
-            fresh = hashes.take(b)
-            for name, s in zip(("save", "query", "load"), _cycle(client, key, fresh, ids), strict=True):
-                samples[name].append(s)
-            if ping:
-                for name, frame in (("ping_query", lane.encode_query(key[0], fresh)), ("ping_save", _save(key, b))):
-                    payload = lane.encode_ping(frame[5:])
-                    t0 = time.perf_counter()
-                    client.lane_call(payload)
-                    samples[name].append(time.perf_counter() - t0)
+        batches_saved = [hashes.take(b) for _ in range(n)]
+        frames = {
+            "save": [lane.encode_save(key, hs, ids) for hs in batches_saved],
+            "query": [lane.encode_query(key[0], hs) for hs in batches_saved],
+        }
+        samples: dict[str, list[float]] = {name: [] for name in ("save", "query", "load")}
+        for frame in frames["save"]:
+            samples["save"].append(_timed(call, frame))
+        for frame in frames["query"]:
+            t0 = time.perf_counter()
+            hits, lease, *_ = lane.decode_query_ok(call(frame))
+            samples["query"].append(time.perf_counter() - t0)
+            call(lane.encode_release(key[0], lease))
+        for hs, frame in zip(batches_saved, frames["query"], strict=True):
+            hits, lease, *_ = lane.decode_query_ok(call(frame))
+            samples["load"].append(_timed(call, lane.encode_load(key, hs[:hits], ids[:hits], lease)))
+        if ping:
+            for name, frame in (("ping_query", frames["query"][0]), ("ping_save", frames["save"][0])):
+                payload = lane.encode_ping(frame[5:])
+                samples[name] = [_timed(call, payload) for _ in range(n)]
         for name, s in samples.items():
-            if s:
-                out.setdefault(name, {})[b] = statistics.median(s) * 1e6
+            out.setdefault(name, {})[b] = statistics.median(s) * 1e6
     return out
+
+
+def _timed(call: Any, frame: bytes) -> float:
+    t0 = time.perf_counter()
+    call(frame)
+    return time.perf_counter() - t0
 
 
 def _save(key: tuple[str, int, int], b: int) -> bytes:
