@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvseal.core.index import BlockIndex
+from kvseal.wire.lane import HashArray
 
 _table = pytest.importorskip("kvseal.core._table", reason="the native table is not built")
 
@@ -22,6 +23,8 @@ pids = st.integers(0, 2**31 - 1)
 
 
 class IndexMachine(RuleBasedStateMachine):
+    """Both indexes, the same operations; lookups also by a HashArray over a frame (native) vs bytes (reference)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.native = _table.Index()
@@ -64,6 +67,12 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(ks=st.lists(keys, max_size=30))
     def lookups(self, ks: list[bytes]) -> None:
         self.same(lambda index: index.get_many(ks))
+        same_size = [k for k in ks if len(k) == 32]
+        frame = b"head" + b"".join(same_size) + b"tail"  # the hashes as a lane frame carries them, in place
+        in_place = HashArray(frame, 4, 32, len(same_size))
+        assert self.native.get_many(in_place) == self.reference.get_many(same_size)
+        for cut in (slice(1, None), slice(None, 2)):
+            assert self.native.get_many(in_place[cut]) == self.reference.get_many(same_size[cut])
         for k in ks[:5]:
             self.same(lambda index, k=k: index.get(k))
             self.same(lambda index, k=k: k in index)
@@ -98,3 +107,26 @@ def test_the_native_index_refuses_what_is_not_a_block_hash() -> None:
     with pytest.raises(TypeError, match="takes no arguments"):
         _table.Index(1)
     assert len(index) == 0
+
+
+@pytest.mark.parametrize("table", ["native", "python"])
+def test_a_lane_frames_hashes_find_the_same_resident_prefix(table: str) -> None:
+    """The store's query and load given a HashArray (the native index reads the frame in place) answer what they
+    answer given the same hashes as bytes: the leading sealed pages, stopping at a missing or inflight one."""
+    from kvseal.core.layout import LayerGeometry, build_layout
+    from kvseal.core.store import BlockStore
+
+    layout = build_layout(16, 1, [LayerGeometry("model.layers.0.attn", "bfloat16", 512, 1, 0, "t")])
+    store = BlockStore(1 << 20, slab_bytes=1 << 16, table=table)
+    ns = store.namespace("ns.x", layout)
+    hashes = [bytes([i]) * 32 for i in range(8)]
+    plan = store.begin_save(ns, layout, hashes[:5], 1)
+    store.finish_save(plan, True)
+    store.begin_save(ns, layout, hashes[5:6], 1)  # left inflight
+    frame = b"".join(hashes)
+    for probe in (hashes, hashes[2:], [hashes[7], *hashes[:3]], hashes[:0]):
+        in_place = HashArray(b"..." + b"".join(probe), 3, 32, len(probe))
+        as_bytes = store.query(ns, layout, probe, "A", 1)
+        in_frame = store.query(ns, layout, in_place, "A", 1)
+        assert as_bytes.hits == in_frame.hits == len(store.begin_load(ns, layout, in_place).pages)
+    assert store.query(ns, layout, HashArray(frame, 0, 32, 8), "A", 1).hits == 5

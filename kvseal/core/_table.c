@@ -454,6 +454,17 @@ done:
  */
 
 #define INDEX_SHARDS 256
+
+/* hash(bytes) of raw bytes, without a bytes object: so a key read from a lane frame lands where the same key as
+ * bytes does (CPython exports this function; 3.14 names it Py_HashBuffer, 3.13 only declares it internally). */
+#if PY_VERSION_HEX >= 0x030E0000
+#define hash_raw Py_HashBuffer
+#else
+#if PY_VERSION_HEX >= 0x030D0000
+PyAPI_FUNC(Py_hash_t) _Py_HashBytes(const void *, Py_ssize_t);
+#endif
+#define hash_raw _Py_HashBytes
+#endif
 #define EMPTY (-1)
 #define DUMMY (-2)
 
@@ -487,15 +498,13 @@ static int key_hash(PyObject *key, Py_hash_t *hash) {
     return *hash == -1 && PyErr_Occurred() ? -1 : 0;
 }
 
-static inline int same_key(const Entry *e, PyObject *key, Py_hash_t hash) {
-    if (e->key == key) return 1;
+static inline int same_key(const Entry *e, const char *key, Py_ssize_t size, Py_hash_t hash) {
     if (e->key == NULL || e->hash != hash) return 0;
-    Py_ssize_t n = PyBytes_GET_SIZE(key);
-    return PyBytes_GET_SIZE(e->key) == n && memcmp(PyBytes_AS_STRING(e->key), PyBytes_AS_STRING(key), n) == 0;
+    return PyBytes_GET_SIZE(e->key) == size && memcmp(PyBytes_AS_STRING(e->key), key, size) == 0;
 }
 
-/* The slot holding key, or the negative of (1 + the first free slot met) when it is absent. */
-static Py_ssize_t find(const Shard *sh, PyObject *key, Py_hash_t hash) {
+/* The slot holding the key (size bytes at `key`), or the negative of (1 + the first free slot met) when absent. */
+static Py_ssize_t find_raw(const Shard *sh, const char *key, Py_ssize_t size, Py_hash_t hash) {
     if (!sh->mask) return -1;
     Py_ssize_t i = (Py_ssize_t)((size_t)hash >> 8) & sh->mask, free_slot = -1;
     for (;;) {
@@ -503,11 +512,58 @@ static Py_ssize_t find(const Shard *sh, PyObject *key, Py_hash_t hash) {
         if (ix == EMPTY) return -(1 + (free_slot >= 0 ? free_slot : i));
         if (ix == DUMMY) {
             if (free_slot < 0) free_slot = i;
-        } else if (same_key(&sh->entries[ix], key, hash)) {
+        } else if (same_key(&sh->entries[ix], key, size, hash)) {
             return i;
         }
         i = (i + 1) & sh->mask;
     }
+}
+
+static Py_ssize_t find(const Shard *sh, PyObject *key, Py_hash_t hash) {
+    return find_raw(sh, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key), hash);
+}
+
+/* The page id of a raw key, or -1 when absent. */
+static int32_t lookup_raw(IndexObject *self, const char *key, Py_ssize_t size) {
+    Py_hash_t hash = hash_raw(key, size);
+    Shard *sh = &self->shards[hash & (INDEX_SHARDS - 1)];
+    Py_ssize_t at = find_raw(sh, key, size, hash);
+    return at >= 0 ? sh->entries[sh->slots[at]].pid : -1;
+}
+
+/* A HashArray (kvseal.wire.lane: n keys of `size` bytes back to back in `buffer` from `offset`) as a raw view: 1
+ * when keys is one (view filled: release it), 0 when it is not (no exception), -1 on error. */
+static int raw_keys(PyObject *keys, Py_buffer *view, const char **first, Py_ssize_t *n, Py_ssize_t *size) {
+    if (PyList_CheckExact(keys) || PyTuple_CheckExact(keys)) return 0;
+    PyObject *buffer = PyObject_GetAttrString(keys, "buffer");
+    if (buffer == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    Py_ssize_t numbers[3];
+    const char *names[3] = {"offset", "size", "n"};
+    for (int i = 0; i < 3; i++) {
+        PyObject *v = PyObject_GetAttrString(keys, names[i]);
+        numbers[i] = v != NULL ? PyLong_AsSsize_t(v) : -1;
+        Py_XDECREF(v);
+        if (numbers[i] == -1 && PyErr_Occurred()) {
+            Py_DECREF(buffer);
+            return -1;
+        }
+    }
+    int got = PyObject_GetBuffer(buffer, view, PyBUF_SIMPLE);
+    Py_DECREF(buffer);
+    if (got < 0) return -1;
+    if (numbers[0] < 0 || numbers[1] <= 0 || numbers[2] < 0 || numbers[0] + numbers[1] * numbers[2] > view->len) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "a hash array runs past its buffer");
+        return -1;
+    }
+    *first = (const char *)view->buf + numbers[0];
+    *size = numbers[1];
+    *n = numbers[2];
+    return 1;
 }
 
 /* Rebuilds the shard's table for `want` live entries at most 2/3 full, dropping deleted entries (order kept). */
@@ -639,6 +695,22 @@ static PyObject *Index_get(IndexObject *self, PyObject *key) {
 }
 
 static PyObject *Index_get_many(IndexObject *self, PyObject *keys) {
+    Py_buffer view;
+    const char *first;
+    Py_ssize_t count, size;
+    int raw = raw_keys(keys, &view, &first, &count, &size);
+    if (raw < 0) return NULL;
+    if (raw) {
+        PyObject *out = PyList_New(count);
+        for (Py_ssize_t i = 0; out != NULL && i < count; i++) {
+            int32_t pid = lookup_raw(self, first + i * size, size);
+            PyObject *v = pid >= 0 ? PyLong_FromLong(pid) : Py_NewRef(Py_None);
+            if (v == NULL) Py_CLEAR(out);
+            else PyList_SET_ITEM(out, i, v);
+        }
+        PyBuffer_Release(&view);
+        return out;
+    }
     PyObject *fast = PySequence_Fast(keys, "keys must be a sequence");
     if (fast == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -713,7 +785,54 @@ static PyObject *index_list(IndexObject *self, int pairs) {
 static PyObject *Index_items(IndexObject *self, PyObject *unused) { return index_list(self, 1); }
 static PyObject *Index_values(IndexObject *self, PyObject *unused) { return index_list(self, 0); }
 
+static PyObject *Index_sealed_prefix(IndexObject *self, PyObject *args) {
+    PyObject *keys, *state_obj;
+    if (!PyArg_ParseTuple(args, "OO", &keys, &state_obj)) return NULL;
+    Arr state;
+    if (get(state_obj, &state, 1, "state") < 0) return NULL;
+    Py_buffer view;
+    const char *first = NULL;
+    Py_ssize_t count = 0, size = 0;
+    PyObject *fast = NULL, *out = NULL;
+    int raw = raw_keys(keys, &view, &first, &count, &size);
+    if (raw < 0) goto done;
+    if (!raw) {
+        if ((fast = PySequence_Fast(keys, "keys must be a sequence")) == NULL) goto done;
+        count = PySequence_Fast_GET_SIZE(fast);
+    }
+    if ((out = PyList_New(0)) == NULL) goto release;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int32_t pid;
+        if (raw) {
+            pid = lookup_raw(self, first + i * size, size);
+        } else {
+            Entry *e = index_find(self, PySequence_Fast_GET_ITEM(fast, i));
+            if (e == NULL && PyErr_Occurred()) {
+                Py_CLEAR(out);
+                goto release;
+            }
+            pid = e != NULL ? e->pid : -1;
+        }
+        if (pid < 0 || pid >= state.n || I8(state)[pid] != SEALED) break;
+        PyObject *v = PyLong_FromLong(pid);
+        if (v == NULL || PyList_Append(out, v) < 0) {
+            Py_XDECREF(v);
+            Py_CLEAR(out);
+            goto release;
+        }
+        Py_DECREF(v);
+    }
+release:
+    if (raw) PyBuffer_Release(&view);
+done:
+    Py_XDECREF(fast);
+    PyBuffer_Release(&state.view);
+    return out;
+}
+
 static PyMethodDef Index_methods[] = {
+    {"sealed_prefix", (PyCFunction)Index_sealed_prefix, METH_VARARGS,
+     "sealed_prefix(keys, state) -> page ids of the leading keys whose pages are SEALED in the state array"},
     {"get", (PyCFunction)Index_get, METH_O, "get(key) -> page id or None"},
     {"get_many", (PyCFunction)Index_get_many, METH_O, "get_many(keys) -> [page id or None per key]"},
     {"update", (PyCFunction)Index_update, METH_VARARGS, "update(keys, pids): index[keys[k]] = pids[k]"},

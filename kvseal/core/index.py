@@ -201,6 +201,8 @@ def resident_prefix(pages: PageTable, index: HashIndex, ns_id: int, hashes: Sequ
     pages after the first hash's is compared first (adjacent entries of the page table), and the index, whose
     lookups each touch cold memory once a pool holds millions of blocks, answers only when that run does not
     match."""
+    if NativeIndex is not None and isinstance(index, NativeIndex):
+        return index.sealed_prefix(hashes, pages.state)  # one call, reading a lane frame's hashes in place
     if not hashes:
         return []
     first = index.get(hashes[0])

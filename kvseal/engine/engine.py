@@ -62,6 +62,7 @@ from kvseal.errors import InvalidArgument, PermissionDenied
 from kvseal.limits import MAX_BLOCKS_PER_REQUEST, MAX_HASH_BYTES, MAX_REQUEST_ID_CHARS
 from kvseal.ssd.null import NullTier
 from kvseal.ssd.tier import Tier
+from kvseal.wire.lane import HashArray
 
 __all__ = [
     "SAVE_STEP",
@@ -213,7 +214,7 @@ class Engine:
     def save_groups(self, worker: WorkerKey, runs: Sequence[Run], session: Session) -> SaveResult:
         """Saves each run's blocks: (group, hashes, block ids per table of that group). A worker that holds none of
         a group's layers skips its runs (another worker writes those pages)."""
-        checked = _check_runs(runs) or [(0, [], [[]])]
+        checked = _check_runs(runs, as_lists=True) or [(0, [], [[]])]
         results = [self._save_run(worker, session, *run) for run in checked]
         return SaveResult(
             written=sum(r.written for r in results),
@@ -224,7 +225,7 @@ class Engine:
         )
 
     def _save_run(
-        self, worker: WorkerKey, session: Session, group: int, hashes: list[bytes], tables: list[list[int]]
+        self, worker: WorkerKey, session: Session, group: int, hashes: Sequence[bytes], tables: list[list[int]]
     ) -> SaveResult:
         """Reserves pages for the hashes SAVE_STEP at a time (one engine-lock hold each, so that a Save of
         thousands of tiny blocks does not stall every query), copies every reserved block in one call per table,
@@ -272,7 +273,7 @@ class Engine:
         )
 
     def _begin_save(
-        self, worker: WorkerKey, session: Session, group: int, hashes: list[bytes], tables: list[list[int]]
+        self, worker: WorkerKey, session: Session, group: int, hashes: Sequence[bytes], tables: list[list[int]]
     ) -> tuple[Instance, Worker, SealedInstance, SavePlan | None]:
         """One step of a Save (None: this worker holds none of the group's layers). `tables` are checked (the
         first step gets them all)."""
@@ -306,7 +307,7 @@ class Engine:
         """Copies each run's resident blocks (group, hashes, block ids per table) into the worker's memory, run
         after run, up to the first block that is missing or refused (the outcome names it); `loaded` counts the
         blocks loaded. The lease (one share: this worker's) is consumed whatever the outcome."""
-        checked = _check_runs(runs) or [(0, [], [[]])]
+        checked = _check_runs(runs, as_lists=False) or [(0, [], [[]])]
         with self._lock:
             inst, w = self.registry.owned_worker(worker, session)
             self.registry.find_sealed(worker[0])
@@ -377,6 +378,7 @@ class Engine:
             cap_s = self.store.lease_ttl_s
             ttl_s = min(lease_ttl_ms / 1000, cap_s) if lease_ttl_ms else cap_s
             if _is_hybrid(sealed):
+                hashes = list(hashes)
                 found, ask = self._groups.query(inst, sealed, hashes, max_tokens, ttl_s)
                 if ask is None:
                     return found
@@ -389,6 +391,7 @@ class Engine:
                 found = QueryResult(result.hits, result.lease_id, int(ttl_s * 1000), sealed.namespace_final)
                 more = Continuation.NOWHERE
                 if result.hits < len(hashes):
+                    hashes = list(hashes)  # the tiers below take bytes objects
                     more = self.tiers.continuation(inst, hashes, result.hits)
                 if more is Continuation.LOADING:
                     if result.lease_id:
@@ -398,6 +401,7 @@ class Engine:
                     return found
         if ask is not None:
             return self._groups.from_peers(inst, sealed, found, ask)
+        assert isinstance(hashes, list)  # made one where the hit fell short
         offered = self.tiers.lookup(sealed.namespace_final, hashes[result.hits :])  # the MetaServer: not locked
         with self._lock:
             if offered is not None and self.tiers.start_peer_fetch(inst, hashes, result.hits, offered):
@@ -571,11 +575,16 @@ class Engine:
         return self._lock.statistics()
 
 
-def _check_hashes(hashes: Sequence[bytes]) -> list[bytes]:
-    """The checked hashes as a list: a protobuf repeated field builds a new bytes object on every access, so it
-    is walked once here and the list is what the store and the copier walk."""
+def _check_hashes(hashes: Sequence[bytes]) -> Sequence[bytes]:
+    """The checked hashes: a lane frame's HashArray as it is (one length for all, checked at once: the native
+    index reads its buffer), anything else as a list (a protobuf repeated field builds a new bytes object on every
+    access, so it is walked once here and the list is what the store and the copier walk)."""
     if len(hashes) > MAX_BLOCKS_PER_REQUEST:
         raise InvalidArgument(f"block_hashes: at most {MAX_BLOCKS_PER_REQUEST} per request, got {len(hashes)}")
+    if isinstance(hashes, HashArray):
+        if hashes.n and not 0 < hashes.size <= MAX_HASH_BYTES:
+            raise InvalidArgument(f"block_hashes[0] must be 1..{MAX_HASH_BYTES} bytes, got {hashes.size}")
+        return hashes
     hashes = list(hashes)
     if hashes and (min(map(len, hashes)) == 0 or max(map(len, hashes)) > MAX_HASH_BYTES):
         bad = next(i for i, h in enumerate(hashes) if not 0 < len(h) <= MAX_HASH_BYTES)
@@ -583,13 +592,16 @@ def _check_hashes(hashes: Sequence[bytes]) -> list[bytes]:
     return hashes
 
 
-def _check_runs(runs: Sequence[Run]) -> list[tuple[int, list[bytes], list[list[int]]]]:
-    """The checked runs as lists (see _check_hashes): hashes and every table of a run agree in length, and the
-    runs together stay within MAX_BLOCKS_PER_REQUEST."""
+def _check_runs(runs: Sequence[Run], *, as_lists: bool) -> list[tuple[int, Sequence[bytes], list[list[int]]]]:
+    """The checked runs (see _check_hashes; `as_lists`: the hashes as lists, for a save, which keeps a bytes object
+    per page anyway): hashes and every table of a run agree in length, and the runs together stay within
+    MAX_BLOCKS_PER_REQUEST."""
     out = []
     total = 0
     for i, (group, hashes, tables) in enumerate(runs):
         hashes = _check_hashes(hashes)
+        if as_lists and isinstance(hashes, HashArray):
+            hashes = hashes.tolist()
         total += len(hashes) * max(len(tables), 1)
         if total > MAX_BLOCKS_PER_REQUEST:
             raise InvalidArgument(f"block_ids: at most {MAX_BLOCKS_PER_REQUEST} per request over all runs")

@@ -51,8 +51,9 @@ import re
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 
@@ -113,6 +114,58 @@ _LOAD_OK = struct.Struct("<BIH")
 _BLOCK_ID = np.dtype("<u4")
 
 
+class HashArray(Sequence[bytes]):
+    """A request's block hashes as the frame carries them: n hashes of `size` bytes back to back in `buffer` from
+    `offset`, with no bytes object per hash until one is asked for (an item, iteration, tolist). A slice with step
+    1 is another view of the same buffer. The native index (kvseal.core._table.Index) reads the buffer itself."""
+
+    __slots__ = ("buffer", "offset", "size", "n")
+
+    def __init__(self, buffer: bytes, offset: int, size: int, n: int) -> None:
+        self.buffer, self.offset, self.size, self.n = buffer, offset, size, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[bytes]: ...
+
+    def __getitem__(self, i: int | slice) -> bytes | Sequence[bytes]:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self.n)
+            if step != 1:
+                return self.tolist()[i]
+            return HashArray(self.buffer, self.offset + start * self.size, self.size, max(0, stop - start))
+        if i < 0:
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError("hash index out of range")
+        at = self.offset + i * self.size
+        return self.buffer[at : at + self.size]
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.tolist())
+
+    def tolist(self) -> list[bytes]:
+        if not self.n:
+            return []
+        out: list[bytes] = np.frombuffer(self.buffer, f"V{self.size}", self.n, self.offset).tolist()  # in one call
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, HashArray | list | tuple):
+            return self.tolist() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"HashArray({self.tolist()!r})"
+
+
 class Unframeable(InvalidArgument, ValueError):
     """The request cannot be carried by the lane (the client sends it over gRPC instead)."""
 
@@ -121,7 +174,7 @@ class Unframeable(InvalidArgument, ValueError):
 class QueryRequest:
     instance_id: str
     lease_ttl_ms: int
-    hashes: list[bytes]
+    hashes: Sequence[bytes]
     request_id: str = ""
     limit_tokens: int = 0  # the longest hit wanted, in tokens (0: every hash)
 
@@ -135,7 +188,7 @@ class ReleaseRequest:
 @dataclass(frozen=True, slots=True)
 class SaveRequest:
     worker: tuple[str, int, int]
-    hashes: list[bytes]
+    hashes: Sequence[bytes]
     block_ids: list[int]
 
 
@@ -143,7 +196,7 @@ class SaveRequest:
 class LoadRequest:
     worker: tuple[str, int, int]
     lease_id: int
-    hashes: list[bytes]
+    hashes: Sequence[bytes]
     block_ids: list[int]
 
 
@@ -153,7 +206,7 @@ class BlockRun:
     one per hash (a group may keep several block tables, each copied block by block)."""
 
     group: int
-    hashes: list[bytes]
+    hashes: Sequence[bytes]
     block_ids: list[list[int]]
 
 
@@ -465,7 +518,7 @@ def _read_runs(body: bytes, pos: int) -> tuple[list[BlockRun], int]:
     return runs, pos
 
 
-def _read_hashes(body: bytes, pos: int, before: int = 0) -> tuple[list[bytes], int]:
+def _read_hashes(body: bytes, pos: int, before: int = 0) -> tuple[Sequence[bytes], int]:
     """`before`: hashes the request carried before these (earlier runs), counted against the cap."""
     n, size = _COUNT.unpack_from(body, pos)
     pos += _COUNT.size
@@ -479,7 +532,7 @@ def _read_hashes(body: bytes, pos: int, before: int = 0) -> tuple[list[bytes], i
         raise InvalidArgument("block_hashes: hash_len is 0")
     if end > len(body):
         raise InvalidArgument(f"block_hashes: {n} hashes of {size} bytes run past the end of the frame")
-    return np.frombuffer(body, f"V{size}", n, pos).tolist(), end  # bytes objects, made in one call
+    return HashArray(body, pos, size, n), end
 
 
 def _end(body: bytes, pos: int, op: int) -> None:
