@@ -785,11 +785,28 @@ static PyObject *index_list(IndexObject *self, int pairs) {
 static PyObject *Index_items(IndexObject *self, PyObject *unused) { return index_list(self, 1); }
 static PyObject *Index_values(IndexObject *self, PyObject *unused) { return index_list(self, 0); }
 
+/* Whether page `pid` of the page table holds the key (its hash, in namespace ns_id): the next key of a prompt
+ * saved in one batch mostly sits on the next page id, and checking that page costs less than a lookup. */
+static int page_holds(PyObject *hashes, const int32_t *ns_of, Py_ssize_t pages, int32_t ns_id, Py_ssize_t pid,
+                      const char *key, Py_ssize_t size) {
+    if (pid >= pages || ns_of[pid] != ns_id) return 0;
+    PyObject *held = PyList_GET_ITEM(hashes, pid);
+    return PyBytes_Check(held) && PyBytes_GET_SIZE(held) == size && memcmp(PyBytes_AS_STRING(held), key, size) == 0;
+}
+
 static PyObject *Index_sealed_prefix(IndexObject *self, PyObject *args) {
-    PyObject *keys, *state_obj;
-    if (!PyArg_ParseTuple(args, "OO", &keys, &state_obj)) return NULL;
-    Arr state;
+    PyObject *keys, *state_obj, *hashes, *ns_obj;
+    int ns_id;
+    if (!PyArg_ParseTuple(args, "OOO!Oi", &keys, &state_obj, &PyList_Type, &hashes, &ns_obj, &ns_id)) return NULL;
+    Arr state, ns_of;
     if (get(state_obj, &state, 1, "state") < 0) return NULL;
+    if (get(ns_obj, &ns_of, 4, "ns_of") < 0) {
+        PyBuffer_Release(&state.view);
+        return NULL;
+    }
+    Py_ssize_t pages = state.n;
+    if (ns_of.n < pages) pages = ns_of.n;
+    if (PyList_GET_SIZE(hashes) < pages) pages = PyList_GET_SIZE(hashes);
     Py_buffer view;
     const char *first = NULL;
     Py_ssize_t count = 0, size = 0;
@@ -801,18 +818,25 @@ static PyObject *Index_sealed_prefix(IndexObject *self, PyObject *args) {
         count = PySequence_Fast_GET_SIZE(fast);
     }
     if ((out = PyList_New(0)) == NULL) goto release;
+    int32_t pid = -1;
     for (Py_ssize_t i = 0; i < count; i++) {
-        int32_t pid;
+        const char *key;
+        Py_ssize_t key_size;
         if (raw) {
-            pid = lookup_raw(self, first + i * size, size);
+            key = first + i * size, key_size = size;
         } else {
-            Entry *e = index_find(self, PySequence_Fast_GET_ITEM(fast, i));
-            if (e == NULL && PyErr_Occurred()) {
+            PyObject *k = PySequence_Fast_GET_ITEM(fast, i);
+            if (!PyBytes_Check(k)) {
+                PyErr_Format(PyExc_TypeError, "a block hash must be bytes, not %.50s", Py_TYPE(k)->tp_name);
                 Py_CLEAR(out);
                 goto release;
             }
-            pid = e != NULL ? e->pid : -1;
+            key = PyBytes_AS_STRING(k), key_size = PyBytes_GET_SIZE(k);
         }
+        if (pid >= 0 && page_holds(hashes, I32(ns_of), pages, ns_id, pid + 1, key, key_size))
+            pid += 1;
+        else
+            pid = lookup_raw(self, key, key_size);
         if (pid < 0 || pid >= state.n || I8(state)[pid] != SEALED) break;
         PyObject *v = PyLong_FromLong(pid);
         if (v == NULL || PyList_Append(out, v) < 0) {
@@ -827,12 +851,15 @@ release:
 done:
     Py_XDECREF(fast);
     PyBuffer_Release(&state.view);
+    PyBuffer_Release(&ns_of.view);
     return out;
 }
 
 static PyMethodDef Index_methods[] = {
     {"sealed_prefix", (PyCFunction)Index_sealed_prefix, METH_VARARGS,
-     "sealed_prefix(keys, state) -> page ids of the leading keys whose pages are SEALED in the state array"},
+     "sealed_prefix(keys, state, block_hash, ns_of, ns_id) -> page ids of the leading keys whose pages are\n"
+     "SEALED (the page after the last one found is checked first: block_hash and ns_of say whether it holds the\n"
+     "next key in namespace ns_id)"},
     {"get", (PyCFunction)Index_get, METH_O, "get(key) -> page id or None"},
     {"get_many", (PyCFunction)Index_get_many, METH_O, "get_many(keys) -> [page id or None per key]"},
     {"update", (PyCFunction)Index_update, METH_VARARGS, "update(keys, pids): index[keys[k]] = pids[k]"},

@@ -202,7 +202,8 @@ def resident_prefix(pages: PageTable, index: HashIndex, ns_id: int, hashes: Sequ
     lookups each touch cold memory once a pool holds millions of blocks, answers only when that run does not
     match."""
     if NativeIndex is not None and isinstance(index, NativeIndex):
-        return index.sealed_prefix(hashes, pages.state)  # one call, reading a lane frame's hashes in place
+        # one call, reading a lane frame's hashes in place, the page after each found one tried first (see below)
+        return index.sealed_prefix(hashes, pages.state, pages.block_hash, pages.ns_of, ns_id)
     if not hashes:
         return []
     first = index.get(hashes[0])
