@@ -467,6 +467,13 @@ PyAPI_FUNC(Py_hash_t) _Py_HashBytes(const void *, Py_ssize_t);
 #endif
 #define EMPTY (-1)
 #define DUMMY (-2)
+/* A slot holds an entry's index in its low 32 bits and 32 bits of the key's hash above them (a tag), so a probe
+ * past a slot of another key mostly ends in the slot array, without reading that entry (a cache miss each once the
+ * index is large and cold). */
+#define SLOT(tag, ix) ((int64_t)(((uint64_t)(tag) << 32) | (uint32_t)(ix)))
+#define SLOT_INDEX(slot) ((int32_t)(uint32_t)(slot))
+#define TAG(hash) ((uint32_t)((uint64_t)(hash) >> 32))
+#define SLOT_TAG(slot) ((uint32_t)((uint64_t)(slot) >> 32))
 
 typedef struct {
     PyObject *key; /* NULL: deleted */
@@ -476,7 +483,7 @@ typedef struct {
 
 typedef struct {
     Entry *entries;
-    int32_t *slots;
+    int64_t *slots; /* EMPTY, DUMMY or SLOT(tag, entry index) */
     Py_ssize_t n_entries; /* appended so far, deleted ones included (each holds a slot, live or DUMMY) */
     Py_ssize_t used;      /* live */
     Py_ssize_t mask;      /* slots - 1 (0: no table yet) */
@@ -507,12 +514,13 @@ static inline int same_key(const Entry *e, const char *key, Py_ssize_t size, Py_
 static Py_ssize_t find_raw(const Shard *sh, const char *key, Py_ssize_t size, Py_hash_t hash) {
     if (!sh->mask) return -1;
     Py_ssize_t i = (Py_ssize_t)((size_t)hash >> 8) & sh->mask, free_slot = -1;
+    uint32_t tag = TAG(hash);
     for (;;) {
-        int32_t ix = sh->slots[i];
-        if (ix == EMPTY) return -(1 + (free_slot >= 0 ? free_slot : i));
-        if (ix == DUMMY) {
+        int64_t slot = sh->slots[i];
+        if (slot == EMPTY) return -(1 + (free_slot >= 0 ? free_slot : i));
+        if (slot == DUMMY) {
             if (free_slot < 0) free_slot = i;
-        } else if (same_key(&sh->entries[ix], key, size, hash)) {
+        } else if (SLOT_TAG(slot) == tag && same_key(&sh->entries[SLOT_INDEX(slot)], key, size, hash)) {
             return i;
         }
         i = (i + 1) & sh->mask;
@@ -528,7 +536,7 @@ static int32_t lookup_raw(IndexObject *self, const char *key, Py_ssize_t size) {
     Py_hash_t hash = hash_raw(key, size);
     Shard *sh = &self->shards[hash & (INDEX_SHARDS - 1)];
     Py_ssize_t at = find_raw(sh, key, size, hash);
-    return at >= 0 ? sh->entries[sh->slots[at]].pid : -1;
+    return at >= 0 ? sh->entries[SLOT_INDEX(sh->slots[at])].pid : -1;
 }
 
 /* A HashArray (kvseal.wire.lane: n keys of `size` bytes back to back in `buffer` from `offset`) as a raw view: 1
@@ -571,7 +579,7 @@ static int rebuild(Shard *sh, Py_ssize_t want) {
     Py_ssize_t size = 8;
     while (size * 2 / 3 < want + 1) size <<= 1;
     Entry *entries = PyMem_Malloc(size * 2 / 3 * sizeof(Entry));
-    int32_t *slots = PyMem_Malloc(size * sizeof(int32_t));
+    int64_t *slots = PyMem_Malloc(size * sizeof(int64_t));
     if (entries == NULL || slots == NULL) {
         PyMem_Free(entries);
         PyMem_Free(slots);
@@ -585,7 +593,8 @@ static int rebuild(Shard *sh, Py_ssize_t want) {
         entries[n] = sh->entries[k];
         Py_ssize_t i = (Py_ssize_t)((size_t)entries[n].hash >> 8) & mask;
         while (slots[i] != EMPTY) i = (i + 1) & mask;
-        slots[i] = (int32_t)n++;
+        slots[i] = SLOT(TAG(entries[n].hash), n);
+        n++;
     }
     PyMem_Free(sh->entries);
     PyMem_Free(sh->slots);
@@ -602,7 +611,7 @@ static int index_set(IndexObject *self, PyObject *key, int32_t pid) {
     Shard *sh = &self->shards[hash & (INDEX_SHARDS - 1)];
     Py_ssize_t at = find(sh, key, hash);
     if (at >= 0) {
-        sh->entries[sh->slots[at]].pid = pid;
+        sh->entries[SLOT_INDEX(sh->slots[at])].pid = pid;
         return 0;
     }
     if (sh->n_entries >= usable(sh->mask)) {
@@ -611,7 +620,8 @@ static int index_set(IndexObject *self, PyObject *key, int32_t pid) {
     }
     Py_ssize_t slot = -at - 1;
     sh->entries[sh->n_entries] = (Entry){Py_NewRef(key), hash, pid};
-    sh->slots[slot] = (int32_t)sh->n_entries++;
+    sh->slots[slot] = SLOT(TAG(hash), sh->n_entries);
+    sh->n_entries++;
     sh->used++;
     self->used++;
     return 0;
@@ -623,7 +633,7 @@ static Entry *index_find(IndexObject *self, PyObject *key) {
     if (key_hash(key, &hash) < 0) return NULL;
     Shard *sh = &self->shards[hash & (INDEX_SHARDS - 1)];
     Py_ssize_t at = find(sh, key, hash);
-    return at >= 0 ? &sh->entries[sh->slots[at]] : NULL;
+    return at >= 0 ? &sh->entries[SLOT_INDEX(sh->slots[at])] : NULL;
 }
 
 static int index_del(IndexObject *self, PyObject *key) {
@@ -635,7 +645,7 @@ static int index_del(IndexObject *self, PyObject *key) {
         PyErr_SetObject(PyExc_KeyError, key);
         return -1;
     }
-    Entry *e = &sh->entries[sh->slots[at]];
+    Entry *e = &sh->entries[SLOT_INDEX(sh->slots[at])];
     Py_CLEAR(e->key);
     sh->slots[at] = DUMMY;
     sh->used--;
