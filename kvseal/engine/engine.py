@@ -17,6 +17,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
+from itertools import chain
 from typing import Any
 
 from kvseal.core.layout import (
@@ -241,15 +242,18 @@ class Engine:
                 if plan is None:
                     break
                 plans.append((first, plan))
-            positions = [first + i for first, plan in plans for i in plan.positions]
-            offsets = [o for _, plan in plans for o in plan.offsets]
+            offsets = list(chain.from_iterable(plan.offsets for _, plan in plans))
+            copied = len(offsets)
+            # every hash got a page (the common case): the plans' positions are 0..n-1 in order, the ids the tables'
+            every = copied == len(hashes)
+            positions = [] if every else [first + i for first, plan in plans for i in plan.positions]
             start = time.perf_counter()
             for table in range(w.tables[group]):
                 copier = w.copiers.get((group, table))
                 if copier is not None:  # a table of the group whose layers this worker does not hold: none
-                    copier.save([tables[table][k] for k in positions], offsets)
+                    ids = tables[table]
+                    copier.save(ids if every else [ids[k] for k in positions], offsets)
             elapsed = time.perf_counter() - start
-            copied = len(positions)
             ok = True
         finally:
             completed = 0
