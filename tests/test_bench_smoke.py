@@ -184,3 +184,48 @@ def test_every_benchmark_is_a_kvseal_bench_subcommand() -> None:
     for name in sorted(names):
         assert callable(importlib.import_module(f"kvseal.bench.{name}").main), name
     assert not (package.parent.parent / "bench").exists()
+
+
+OPS_KEYS = (
+    "query_1024_vs_ping",
+    "save_1024_vs_ping",
+    "load_1024_vs_ping",
+    "two_clients_ratio",
+    "replay16_rps",
+    "replay512_rps",
+    "replay16_vs_baseline",
+    "replay512_vs_baseline",
+)
+
+
+@pytest.mark.process
+@pytest.mark.timeout(300)
+def test_quick_ops_benchmark_measures_a_baseline_too() -> None:
+    """`kvseal bench ops --quick --baseline HEAD`: the baseline engine installed from git into a temporary venv
+    answers like this one, and the RESULT line names every figure."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvseal", "bench", "ops", "--quick", "--baseline", "HEAD"],
+        capture_output=True,
+        text=True,
+        timeout=290,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    last = proc.stdout.strip().splitlines()[-1]
+    head, *pairs = last.split(" ")
+    values = dict(pair.split("=", 1) for pair in pairs)
+    assert head == "RESULT" and tuple(values) == OPS_KEYS, last
+    assert all(math.isfinite(float(v)) and float(v) > 0 for v in values.values()), last
+    assert "HEAD:" in proc.stdout and "now:" in proc.stdout, proc.stdout
+
+
+def test_the_replayed_workload_is_the_same_every_time_and_shares_prefixes() -> None:
+    from kvseal.bench.workload import Workload
+
+    small = Workload(conversations=20, system_prompts=3)
+    first = small.requests(16)
+    assert first == small.requests(16) and len(first) >= 20
+    assert all(len(h) == 32 for request in first for h in request)
+    starts = [request[0] for request in first if request]
+    assert len(set(starts)) <= 3  # every prompt starts with one of the system prompts' first block
+    coarse = small.requests(512)
+    assert sum(map(len, coarse)) * 32 <= sum(map(len, first)) <= sum(map(len, coarse)) * 32 + 31 * len(first)
