@@ -6,7 +6,9 @@ makes a venv there; a .pth file in its site-packages names this environment's si
 same dependencies (numpy, grpcio, ...) but not this checkout's kvseal (a .pth line adds a directory to sys.path;
 the editable install's own hook in this environment is not run); then this environment's pip installs REV into
 the venv (`--no-deps --no-build-isolation --prefix`), which builds REV's copy kernel with this environment's
-setuptools. The engine of REV is then `VENV/bin/python -m kvseal serve`.
+setuptools. The engine of REV is then `VENV/bin/python -m kvseal serve`, started in `where` (`python -m` puts its
+working directory first on sys.path: started in this checkout, it would import this checkout's kvseal); install
+checks that it imports its own.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def install(rev: str, where: Path) -> str:
-    """Installs the engine of `rev` into a venv under `where`; returns its python. Raises RuntimeError with git's or
-    pip's message when it cannot."""
+    """Installs the engine of `rev` into a venv under `where`; returns its python, to be run in `where`. Raises
+    RuntimeError with git's or pip's message when it cannot."""
     src, venv = where / "src", where / "venv"
     archive = _run(["git", "-C", str(REPO), "archive", "--format=tar", rev], f"git archive {rev}")
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
@@ -36,11 +38,14 @@ def install(rev: str, where: Path) -> str:
     (site / "_kvseal_bench_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--prefix", str(venv)]
     _run([*pip, str(src)], f"pip install of {rev}")
+    found = _run([str(python), "-c", "import kvseal; print(kvseal.__file__)"], "the venv", cwd=where).decode().strip()
+    if not found.startswith(str(venv)):
+        raise RuntimeError(f"the venv of {rev} imports kvseal from {found}, not from its own install")
     return str(python)
 
 
-def _run(argv: list[str], what: str) -> bytes:
-    r = subprocess.run(argv, capture_output=True, stdin=subprocess.DEVNULL, timeout=600)
+def _run(argv: list[str], what: str, cwd: Path | None = None) -> bytes:
+    r = subprocess.run(argv, capture_output=True, stdin=subprocess.DEVNULL, timeout=600, cwd=cwd)
     if r.returncode != 0:
         raise RuntimeError(f"{what} failed: {r.stderr.decode(errors='replace')[-2000:]}")
     return r.stdout

@@ -42,10 +42,11 @@ def start_engine(
     listen: str | None = None,
     wrapper: Sequence[str] = (),
     python: str = sys.executable,
+    cwd: Path | None = None,
 ) -> EngineProcess:
     """`python -m kvseal serve` as the benchmarks run it: free loopback ports unless `listen` says, the engine's
     own slab size, --log-level WARNING (extra may say otherwise), one thread for numpy, stdout and stderr in
-    workdir/NAME.log, run by `python` (another environment's engine: kvseal.bench.baseline). Returns at once;
+    workdir/NAME.log, run by `python` in `cwd` (another environment's engine: kvseal.bench.baseline). Returns at once;
     wait_ready(START_TIMEOUT_S) waits for it."""
     return EngineProcess(
         workdir,
@@ -59,6 +60,7 @@ def start_engine(
         env=BENCH_ENV,
         merge_output=True,
         python=python,
+        cwd=cwd,
     )
 
 

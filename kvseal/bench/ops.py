@@ -205,10 +205,10 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(workdir: Path, label: str, python: str, quick: bool, ping: bool) -> dict[str, Any]:
-    """Every figure of one engine (this one, or a baseline's): latency, scaling, replay."""
+def measure(workdir: Path, label: str, python: str, quick: bool, ping: bool, cwd: Path | None) -> dict[str, Any]:
+    """Every figure of one engine (this one, or a baseline's run by `python` in `cwd`): latency, scaling, replay."""
     out: dict[str, Any] = {}
-    engine = start_engine(workdir, f"engine-{label}", POOL, python=python)
+    engine = start_engine(workdir, f"engine-{label}", POOL, python=python, cwd=cwd)
     try:
         engine.wait_ready(START_TIMEOUT_S)
         reps = 20 if quick else 200
@@ -224,7 +224,7 @@ def measure(workdir: Path, label: str, python: str, quick: bool, ping: bool) -> 
         engine.stop()
     workload = Workload(conversations=60 if quick else 300)
     for bt in (16, 512):
-        engine = start_engine(workdir, f"engine-{label}-replay{bt}", POOL, python=python)
+        engine = start_engine(workdir, f"engine-{label}-replay{bt}", POOL, python=python, cwd=cwd)
         try:
             engine.wait_ready(START_TIMEOUT_S)
             cpu0 = _cpu_seconds(engine.pid)
@@ -252,9 +252,10 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="kvseal-bench-ops-") as tmp:
         workdir = Path(tmp)
         if args.baseline:
-            python = baseline.install(args.baseline, workdir / "baseline")
-            runs[args.baseline] = measure(workdir, "baseline", python, args.quick, ping=False)
-        runs["now"] = measure(workdir, "now", sys.executable, args.quick, ping=True)
+            where = workdir / "baseline"
+            python = baseline.install(args.baseline, where)
+            runs[args.baseline] = measure(workdir, "baseline", python, args.quick, ping=False, cwd=where)
+        runs["now"] = measure(workdir, "now", sys.executable, args.quick, ping=True, cwd=None)
     now = runs["now"]
     report(runs)
     lat = now["latency"]
