@@ -27,6 +27,8 @@ RESULT_KEYS = (
     "query_50k_vs_1k",  # the full run's query_1m_vs_1k: --quick fills 50k blocks, not 1M
     "bytes_per_block_50k",  # the full run's bytes_per_block, at 1M
     "max_lock_ms",
+    "save_128k_ratio",
+    "load_128k_ratio",
 )
 SMOKE_LINE = (
     "quick figures are smoke figures, not the targets': 16 blocks per RPC and 50k resident blocks here; the targets' "

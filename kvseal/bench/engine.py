@@ -26,11 +26,13 @@ The worker side (this process) and the engine run single-threaded (numpy copies;
 The last line is machine-readable:
 
     RESULT save_gbps=... load_gbps=... memcpy_gbps=... stream_gbps=... save_ratio=... load_ratio=...
-           query_p50_us=... query_1m_vs_1k=... bytes_per_block=... max_lock_ms=...
+           query_p50_us=... query_1m_vs_1k=... bytes_per_block=... max_lock_ms=... save_128k_ratio=...
+           load_128k_ratio=...
 
 save/load/memcpy/stream in the RESULT line are the best repetitions of case 2's first batch size (64 blocks per
 RPC); ratios divide by the ceiling (the better of memcpy and stream) of the same bytes; query_p50_us is the TCP
-engine's at 1k resident blocks; max_lock_ms is the engine's longest hold of its lock over the whole run. The
+engine's at 1k resident blocks; max_lock_ms is the engine's longest hold of its lock over the whole run;
+save_128k_ratio / load_128k_ratio are case 1's (128 KiB pages, 256 per RPC) best repetitions over their ceiling. The
 header names the copy path the engine runs (the kernel, or numpy when the kernel is not built). `--plot FILE.png`
 draws the copy figures against both ceilings (needs matplotlib: pip install 'kvseal[plot]').
 --quick measures less (16 blocks per RPC, 50k resident blocks) and names its figures after what it measured
@@ -167,7 +169,9 @@ def main(quick: bool = False, plot: str | None = None) -> int:
         f"query_p50_us={result['query_p50_us']:.1f} "
         f"{query_ratio}={result['query_ratio']:.3f} "
         f"{per_block}={result['bytes_per_block']:.1f} "
-        f"max_lock_ms={result['max_lock_ms']:.2f}",
+        f"max_lock_ms={result['max_lock_ms']:.2f} "
+        f"save_128k_ratio={result['save_128k_ratio']:.3f} "
+        f"load_128k_ratio={result['load_128k_ratio']:.3f}",
         flush=True,
     )
     return 0
@@ -236,6 +240,8 @@ def _measure(
         result["stream_gbps"] = main_fig.stream_gbps
         result["save_ratio"] = result["save_gbps"] / main_fig.ceiling_gbps
         result["load_ratio"] = result["load_gbps"] / main_fig.ceiling_gbps
+        result["save_128k_ratio"] = fig1.gbps(fig1.save_s) / fig1.ceiling_gbps
+        result["load_128k_ratio"] = fig1.gbps(fig1.load_s) / fig1.ceiling_gbps
         print(
             f"RESULT save/load: case 2 at {main_fig.batch} blocks per RPC, best repetition end to end, over the "
             "better of memcpy and the streaming copy of the same bytes"
