@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+import kvseal
+
 RESULT_KEYS = (
     "save_gbps",
     "load_gbps",
@@ -202,9 +204,10 @@ OPS_KEYS = (
 
 @pytest.mark.process
 @pytest.mark.timeout(300)
-def test_quick_ops_benchmark_measures_a_baseline_too() -> None:
+def test_quick_ops_benchmark_measures_a_baseline_too(tmp_path: Path) -> None:
     """`kvseal bench ops --quick --baseline HEAD`: the baseline engine installed from git into a temporary venv
-    answers like this one, and the RESULT line names every figure."""
+    answers like this one, the RESULT line names every figure, and this environment's kvseal is still installed
+    (pip installing into another prefix once uninstalled it)."""
     proc = subprocess.run(
         [sys.executable, "-m", "kvseal", "bench", "ops", "--quick", "--baseline", "HEAD"],
         capture_output=True,
@@ -218,6 +221,14 @@ def test_quick_ops_benchmark_measures_a_baseline_too() -> None:
     assert head == "RESULT" and tuple(values) == OPS_KEYS, last
     assert all(math.isfinite(float(v)) and float(v) > 0 for v in values.values()), last
     assert "HEAD:" in proc.stdout and "now:" in proc.stdout, proc.stdout
+    found = subprocess.run(
+        [sys.executable, "-c", "import kvseal; print(kvseal.__file__)"],
+        cwd=tmp_path,
+        text=True,
+        capture_output=True,
+        timeout=60,
+    )
+    assert found.returncode == 0 and found.stdout.strip() == str(Path(kvseal.__file__)), found.stderr
 
 
 def test_the_replayed_workload_is_the_same_every_time_and_shares_prefixes() -> None:

@@ -2,7 +2,10 @@
 block ids loads back byte-exact with exact counts and balanced accounting; a copy that fails stores nothing. Both
 with the default SAVE_STEP and with steps of 7 hashes (a Save reserves its pages a step per engine-lock hold, a
 repeated hash landing in two steps). CUDA handles: another user's are refused before they are opened; an engine
-without a GPU says so."""
+without a GPU says so.
+
+Every test runs once per page table (ids [python] / [native]): the engine builds its BlockStore with the default,
+which reads KVSEAL_TABLE; the `engine` fixture asserts the store got the table asked for."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from kvseal.core import pages
 from kvseal.core.layout import LayerGeometry, LayerRegistration, WorkerRegistration
 from kvseal.engine.engine import SAVE_STEP, Caller, Engine, Session
 from kvseal.engine.memory import CudaSpec
@@ -25,12 +29,25 @@ WORKER = ("w", 0, 0)
 
 
 SESSION = Session(Caller(uid=os.getuid(), pid=os.getpid(), privileged=True))
+NOT_BUILT = "the native page table (kvseal/core/_table.c) is not built"
+TABLES = ["python", pytest.param("native", marks=pytest.mark.skipif(pages._table is None, reason=NOT_BUILT))]
+
+
+@pytest.fixture(autouse=True, params=TABLES)
+def table(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test of this module, once per page table (the Engine has no table argument: its store's default
+    reads KVSEAL_TABLE)."""
+    monkeypatch.setenv("KVSEAL_TABLE", request.param)
+    return str(request.param)
 
 
 @pytest.fixture
-def engine() -> Iterator[tuple[Engine, np.ndarray]]:
+def engine(table: str) -> Iterator[tuple[Engine, np.ndarray]]:
     shared = SharedArray((BLOCKS, SLOT))
     engine = Engine(8 << 20, slab_bytes=1 << 20)
+    assert engine.store.table == table, (
+        f"asked for the {table} page table, the engine's store runs {engine.store.table}"
+    )
     register_one_rank(engine, "w", shared, namespace="ns", layout_tag="test", dtype="bfloat16", session=SESSION)
     memory = shared.array
     memory[:] = np.random.default_rng(7).integers(0, 256, memory.shape, dtype=np.uint8)

@@ -1,8 +1,16 @@
-"""The block store (kvseal.core.store): pages, leases, eviction and accounting, on a FakeClock."""
+"""The block store (kvseal.core.store): pages, leases, eviction and accounting, on a FakeClock.
+
+Every test runs once per page table (test ids [python] / [native]; StoreMachine as TestStoreMachinePython and
+TestStoreMachineNative): the autouse `table` fixture sets KVSEAL_TABLE, which BlockStore's default reads, and
+make_store asserts the store got it. The native runs are skipped when kvseal/core/_table.c is not built.
+"""
 
 from __future__ import annotations
 
+import os
+import unittest
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -10,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvseal.core import pages
 from kvseal.core.eviction import Eviction
 from kvseal.core.index import ChangeLog, Namespaces
 from kvseal.core.layout import LayerGeometry, Layout, build_layout
@@ -32,6 +41,25 @@ from kvseal.testing.clock import FakeClock
 
 INFLIGHT_TIMEOUT = 60.0
 LEASE_TTL = 30.0
+NATIVE_BUILT = pages._table is not None
+NOT_BUILT = "the native page table (kvseal/core/_table.c) is not built"
+TABLES = ["python", pytest.param("native", marks=pytest.mark.skipif(not NATIVE_BUILT, reason=NOT_BUILT))]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test function of this module, once per page table (the `table` fixture is autouse). Not the
+    StoreMachine TestCases: unittest-style, they take no parametrized fixture and pick their table themselves."""
+    if "table" in metafunc.fixturenames:
+        metafunc.parametrize("table", TABLES, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def table(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str | None]:
+    """The page table this test's stores run: BlockStore's default reads KVSEAL_TABLE (None for the TestCases)."""
+    kind = getattr(request, "param", None)
+    if kind is not None:
+        monkeypatch.setenv("KVSEAL_TABLE", kind)
+    yield kind
 
 
 def geo(name: str, segment_bytes: int, segments: int = 1, dtype: str = "bfloat16") -> LayerGeometry:
@@ -47,8 +75,12 @@ def mask(layout: Layout, tp_rank: int) -> int:
     return sum(1 << layout.slot(layer_id, tp_rank) for layer_id in range(len(layout.layers)))
 
 
-def make_store(arena: int, slab: int, clock: FakeClock, reclaim_step_pages: int = 2048) -> BlockStore:
-    return BlockStore(
+def make_store(
+    arena: int, slab: int, clock: FakeClock, reclaim_step_pages: int = 2048, table: str | None = None
+) -> BlockStore:
+    """A store with the page table `table` (None: BlockStore's default, KVSEAL_TABLE, which the `table` fixture
+    sets): asserted, so that a switch the store ignored fails every test instead of testing one table twice."""
+    store = BlockStore(
         arena,
         slab_bytes=slab,
         clock=clock,
@@ -56,7 +88,12 @@ def make_store(arena: int, slab: int, clock: FakeClock, reclaim_step_pages: int 
         inflight_timeout_s=INFLIGHT_TIMEOUT,
         lease_ttl_s=LEASE_TTL,
         reclaim_step_pages=reclaim_step_pages,
+        table=table,
     )
+    requested = table or os.environ.get("KVSEAL_TABLE")
+    if requested:
+        assert store.table == requested, f"asked for the {requested} page table, got {store.table}"
+    return store
 
 
 def save(store: BlockStore, ns: int, layout: Layout, hashes: list[bytes], tp_rank: int = 0) -> SavePlan:
@@ -95,6 +132,30 @@ TP1 = build_layout(16, 1, [geo("model.layers.0.attn", 1024)])
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
+
+
+# ------------------------------------------------------------------------------------------ the table switch
+
+
+def test_the_store_runs_the_page_table_asked_for(table: str, clock: FakeClock) -> None:
+    """KVSEAL_TABLE picks the default, and BlockStore's `table` argument overrides it."""
+    assert os.environ["KVSEAL_TABLE"] == table
+    assert BlockStore(4096, slab_bytes=4096).table == table
+    assert make_store(4096, 4096, clock).table == table
+    assert BlockStore(4096, slab_bytes=4096, table="python").table == "python"
+    if NATIVE_BUILT:
+        assert BlockStore(4096, slab_bytes=4096, table="native").table == "native"
+    else:
+        with pytest.raises(RuntimeError, match="not built"):
+            BlockStore(4096, slab_bytes=4096, table="native")
+
+
+def test_an_unknown_page_table_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="native or python, not 'c'"):
+        BlockStore(4096, slab_bytes=4096, table="c")
+    monkeypatch.setenv("KVSEAL_TABLE", "fast")
+    with pytest.raises(ValueError, match="native or python, not 'fast'"):
+        BlockStore(4096, slab_bytes=4096)
 
 
 # ------------------------------------------------------------------------------------------ save and query
@@ -809,10 +870,12 @@ class ModelLoad:
 
 
 class StoreMachine(RuleBasedStateMachine):
+    TABLE = "python"  # the page table its store runs (a unittest-style TestCase takes no pytest fixture)
+
     @initialize(n_slabs=st.integers(1, 3), reclaim_step=st.sampled_from((1, 2, 3, 2048)))
     def setup(self, n_slabs: int, reclaim_step: int) -> None:
         self.clock = FakeClock()
-        self.store = make_store(n_slabs * SLAB, SLAB, self.clock, reclaim_step_pages=reclaim_step)
+        self.store = make_store(n_slabs * SLAB, SLAB, self.clock, reclaim_step_pages=reclaim_step, table=self.TABLE)
         self.ns = {name: self.store.namespace(nsf, lay) for name, (lay, nsf, _) in INSTANCES.items()}
         self.saves: list[ModelSave] = []
         self.loads: list[ModelLoad] = []
@@ -1084,10 +1147,19 @@ class StoreMachine(RuleBasedStateMachine):
                     assert self.written.get((ns, block_hash, pid), 0) == full
 
 
-TestStoreMachine = StoreMachine.TestCase
-TestStoreMachine.settings = settings(
-    max_examples=300, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+class NativeStoreMachine(StoreMachine):
+    TABLE = "native"
+
+
+# one machine per page table, each with half the examples one machine had (the two tables' equivalence is
+# tests/test_table.py's: it drives both with the same calls and compares everything after every step)
+MACHINE_SETTINGS = settings(
+    max_examples=150, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+TestStoreMachinePython = StoreMachine.TestCase
+TestStoreMachinePython.settings = MACHINE_SETTINGS
+TestStoreMachineNative = unittest.skipUnless(NATIVE_BUILT, NOT_BUILT)(NativeStoreMachine.TestCase)
+TestStoreMachineNative.settings = MACHINE_SETTINGS
 
 
 def test_purge_frees_what_nothing_pins_and_leaves_leased_pages(clock: FakeClock) -> None:
@@ -1218,10 +1290,11 @@ class Pool:
 
     @classmethod
     def of(cls, n_slabs: int, slab_bytes: int) -> Pool:
-        pages, namespaces, changes = PageTable(n_slabs), Namespaces(), ChangeLog()
-        eviction = Eviction(pages, namespaces, changes)
-        slabs = Slabs(pages, eviction, n_slabs, slab_bytes)
-        return cls(pages, namespaces, changes, eviction, slabs, namespaces.add("m.x", TP1, 0), slabs.size_class(1024))
+        """The parts of a store of the page table KVSEAL_TABLE picks (the `table` fixture), as the store wires them."""
+        store = BlockStore(n_slabs * slab_bytes, slab_bytes=slab_bytes)
+        assert store.table == os.environ["KVSEAL_TABLE"]
+        parts = store._pages, store._namespaces, store._changes, store._eviction, store._slabs
+        return cls(*parts, parts[1].add("m.x", TP1, 0), parts[4].size_class(1024))
 
     def seal(self, hashes: list[bytes]) -> list[int]:
         """Sealed pages for `hashes`, the last the most recently used, as BlockStore's save makes them."""

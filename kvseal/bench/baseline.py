@@ -5,7 +5,8 @@ How: `git archive REV` of this checkout is unpacked into a temporary directory; 
 makes a venv there; a .pth file in its site-packages names this environment's site-packages, so the venv finds the
 same dependencies (numpy, grpcio, ...) but not this checkout's kvseal (a .pth line adds a directory to sys.path;
 the editable install's own hook in this environment is not run); then this environment's pip installs REV into
-the venv (`--no-deps --no-build-isolation --prefix`), which builds REV's copy kernel with this environment's
+the venv (`--no-deps --no-build-isolation --ignore-installed --prefix`: without --ignore-installed pip would first
+uninstall this environment's own kvseal), which builds REV's copy kernel with this environment's
 setuptools. The engine of REV is then `VENV/bin/python -m kvseal serve`, started in `where` (`python -m` puts its
 working directory first on sys.path: started in this checkout, it would import this checkout's kvseal); install
 checks that it imports its own.
@@ -36,7 +37,8 @@ def install(rev: str, where: Path) -> str:
     site = Path(purelib.decode().strip())
     site.mkdir(parents=True, exist_ok=True)
     (site / "_kvseal_bench_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--prefix", str(venv)]
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--ignore-installed"]
+    pip += ["--prefix", str(venv)]  # --ignore-installed: else pip uninstalls this environment's kvseal first
     _run([*pip, str(src)], f"pip install of {rev}")
     found = _run([str(python), "-c", "import kvseal; print(kvseal.__file__)"], "the venv", cwd=where).decode().strip()
     if not found.startswith(str(venv)):

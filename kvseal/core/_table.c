@@ -333,35 +333,6 @@ done:
     return result;
 }
 
-PyDoc_STRVAR(sealed_prefix_doc,
-             "sealed_prefix(state, found) -> how many leading entries of found (page ids or None) are SEALED pages");
-static PyObject *sealed_prefix(PyObject *self, PyObject *args) {
-    PyObject *state_obj, *found;
-    if (!PyArg_ParseTuple(args, "OO", &state_obj, &found)) return NULL;
-    Arr a;
-    if (get(state_obj, &a, 1, "state") < 0) return NULL;
-    PyObject *result = NULL, *fast = PySequence_Fast(found, "found must be a sequence");
-    if (fast == NULL) goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), k = 0;
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    int8_t *state = I8(a);
-    for (; k < n; k++) {
-        if (items[k] == Py_None) break;
-        Py_ssize_t pid = PyLong_AsSsize_t(items[k]);
-        if (pid == -1 && PyErr_Occurred()) goto done;
-        if (pid < 0 || pid >= a.n) {
-            PyErr_Format(PyExc_IndexError, "page id %zd is out of the table", pid);
-            goto done;
-        }
-        if (state[pid] != SEALED) break;
-    }
-    result = PyLong_FromSsize_t(k);
-done:
-    Py_XDECREF(fast);
-    PyBuffer_Release(&a.view);
-    return result;
-}
-
 PyDoc_STRVAR(gather_doc, "gather(offset, pids) -> [offset[pid] for pid in pids] (int64 array)");
 static PyObject *gather(PyObject *self, PyObject *args) {
     PyObject *arr_obj, *pid_seq;
@@ -906,7 +877,6 @@ static PyMethodDef methods[] = {
     {"forget", forget, METH_VARARGS, forget_doc},
     {"lru_victims", lru_victims, METH_VARARGS, lru_victims_doc},
     {"open", open_pages, METH_VARARGS, open_doc},
-    {"sealed_prefix", sealed_prefix, METH_VARARGS, sealed_prefix_doc},
     {"gather", gather, METH_VARARGS, gather_doc},
     {"end_writes", end_writes, METH_VARARGS, end_writes_doc},
     {NULL, NULL, 0, NULL},

@@ -585,10 +585,6 @@ class NativePageTable(PageTable):
         assert _table is not None
         return _table.lru_victims(self.prev, self.sentinel[c], n, set(protected) if protected else None)
 
-    def sealed_prefix(self, found: Sequence[int | None]) -> int:
-        assert _table is not None
-        return _table.sealed_prefix(self.state, found)
-
     def offsets(self, pids: Sequence[int]) -> list[int]:
         assert _table is not None
         return _table.gather(self.offset, pids)
