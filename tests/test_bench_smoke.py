@@ -173,7 +173,8 @@ def test_quick_peer_benchmark_prints_a_result_line() -> None:
 
 def test_every_benchmark_is_a_kvseal_bench_subcommand() -> None:
     """Every module of kvseal/bench is a `kvseal bench NAME` subcommand with a main(), except the processes the
-    benchmarks start themselves and the modules they import (the shared harness, the engine benchmark's cases);
+    benchmarks start themselves and the modules they import (the shared harness, the engine benchmark's cases, the
+    replayed workload, the baseline install);
     there is no other place for benchmarks."""
     import importlib
 
@@ -182,7 +183,7 @@ def test_every_benchmark_is_a_kvseal_bench_subcommand() -> None:
     bench = next(a for a in build_parser()._subparsers._group_actions if "bench" in a.choices).choices["bench"]
     names = set(next(a for a in bench._subparsers._group_actions).choices)
     package = Path(importlib.import_module("kvseal.bench").__file__).parent
-    helpers = {"__init__", "harness", "engine_cases", "vllm_ttft_run", "vllm_ttft_model"}
+    helpers = {"__init__", "harness", "engine_cases", "vllm_ttft_run", "vllm_ttft_model", "workload", "baseline"}
     modules = {p.stem for p in package.glob("*.py")} - helpers
     assert names == modules
     for name in sorted(names):
