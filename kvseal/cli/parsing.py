@@ -10,6 +10,8 @@ from typing import NoReturn
 
 from kvseal import units
 
+SIGNAL_POLL_S = 0.2  # how often a server command's main thread wakes to run a signal's handler
+
 
 def parse_size(text: str) -> int:
     """A size flag's value in bytes, or the usage error naming it (kvseal.units.parse_size)."""

@@ -13,6 +13,7 @@ import threading
 
 from kvseal.cli.parsing import (
     LOG_LEVELS,
+    SIGNAL_POLL_S,
     HelpFormatter,
     at_least_one,
     group,
@@ -250,6 +251,9 @@ def run(args: argparse.Namespace) -> int:
         + (f", SSD {', '.join(cfg.ssd_paths)} ({format_size(cfg.ssd_capacity_bytes)} each)" if cfg.ssd_paths else ""),
         flush=True,
     )
-    stop.wait()
+    # in short waits: a process-wide signal may be delivered to any thread, and a main thread blocked in one long
+    # wait would not run the handler until something woke it (engines ignored SIGTERM for 15 s that way)
+    while not stop.wait(SIGNAL_POLL_S):
+        pass
     server.stop()
     return 0

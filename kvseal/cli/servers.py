@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from kvseal.auth import is_loopback
 from kvseal.cli.parsing import (
     LOG_LEVELS,
+    SIGNAL_POLL_S,
     HelpFormatter,
     at_least_one,
     grpc_address,
@@ -102,7 +103,8 @@ def run_metaserver(args: argparse.Namespace) -> int:
         f"{args.store} (epoch {server.store.epoch})",
         flush=True,
     )
-    server.wait()
+    while not server.wait(SIGNAL_POLL_S):  # short waits, so that the main thread runs the handler (kvseal serve's)
+        pass
     server.stop()
     return 0
 

@@ -103,8 +103,9 @@ class MetaServer:
     def http_port(self) -> int:
         return self._http.server_address[1] if self._http else 0
 
-    def wait(self) -> None:
-        self._stop.wait()
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether a stop was requested, after waiting at most `timeout` seconds (None: until one is)."""
+        return self._stop.wait(timeout)
 
     def request_stop(self) -> None:
         self._stop.set()
