@@ -12,10 +12,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from kvseal.core import _table
 from kvseal.core.index import BlockIndex
 from kvseal.wire.lane import HashArray
-
-_table = pytest.importorskip("kvseal.core._table", reason="the native table is not built")
 
 KEYS = [bytes([i]) * 32 for i in range(40)] + [b"", b"x", b"\0" * 31, b"\0" * 33]
 keys = st.sampled_from(KEYS).map(bytes)  # a fresh object with the same content, sometimes
@@ -130,3 +129,16 @@ def test_a_lane_frames_hashes_find_the_same_resident_prefix(table: str) -> None:
         in_frame = store.query(ns, layout, in_place, "A", 1)
         assert as_bytes.hits == in_frame.hits == len(store.begin_load(ns, layout, in_place).pages)
     assert store.query(ns, layout, HashArray(frame, 0, 32, 8), "A", 1).hits == 5
+
+
+def test_the_native_table_is_built_and_chosen() -> None:
+    """CI builds the extension (`pip install -e .`): the table tests above must not be skipped for want of it, and
+    a store built with no choice runs the native table unless KVSEAL_TABLE says otherwise."""
+    import os
+
+    from kvseal.core import pages
+    from kvseal.core.store import BlockStore
+
+    assert pages._table is not None, "kvseal/core/_table.c was not built: pip install -e . needs gcc and headers"
+    if not os.environ.get("KVSEAL_TABLE"):
+        assert BlockStore(1 << 20, slab_bytes=1 << 16).table == "native"
