@@ -30,6 +30,19 @@ static int get(PyObject *obj, Arr *a, Py_ssize_t itemsize, const char *name) {
     return 0;
 }
 
+/* Buffers of `count` arrays; returns how many it got (count, or fewer with an exception set: release those). */
+static int get_all(PyObject *const *objs, Arr *a, const Py_ssize_t *sizes, const char *const *names, int count) {
+    for (int i = 0; i < count; i++)
+        if (get(objs[i], &a[i], sizes[i], names[i]) < 0) return i;
+    return count;
+}
+
+static int check_sentinel(Py_ssize_t sentinel, Py_ssize_t pages) {
+    if (sentinel >= 0 && sentinel < pages) return 0;
+    PyErr_SetString(PyExc_IndexError, "sentinel is out of the table");
+    return -1;
+}
+
 #define I32(a) ((int32_t *)(a).view.buf)
 #define I8(a) ((int8_t *)(a).view.buf)
 #define I64(a) ((int64_t *)(a).view.buf)
@@ -86,13 +99,12 @@ static PyObject *pin(PyObject *self, PyObject *args) {
     PyObject *o[6];
     if (!PyArg_ParseTuple(args, "OOOOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5])) return NULL;
     Arr a[5];
-    const char *names[5] = {"pins", "prev", "next", "slab_busy", "slab_of"};
-    int got = 0;
+    static const Py_ssize_t sizes[5] = {4, 4, 4, 4, 4};
+    static const char *const names[5] = {"pins", "prev", "next", "slab_busy", "slab_of"};
     PyObject *result = NULL;
     Py_ssize_t n = 0, *pids = NULL;
-    for (; got < 5; got++)
-        if (get(o[got], &a[got], 4, names[got]) < 0) goto done;
-    if ((pids = ids(o[5], a[0].n, &n)) == NULL) goto done;
+    int got = get_all(o, a, sizes, names, 5);
+    if (got < 5 || (pids = ids(o[5], a[0].n, &n)) == NULL) goto done;
     int32_t *pins = I32(a[0]), *prev = I32(a[1]), *next = I32(a[2]), *busy = I32(a[3]), *slab_of = I32(a[4]);
     Py_ssize_t newly = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -121,17 +133,12 @@ static PyObject *unpin(PyObject *self, PyObject *args) {
     Py_ssize_t sentinel;
     if (!PyArg_ParseTuple(args, "OOOOOOn", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &sentinel)) return NULL;
     Arr a[5];
-    const char *names[5] = {"pins", "prev", "next", "slab_busy", "slab_of"};
-    int got = 0;
+    static const Py_ssize_t sizes[5] = {4, 4, 4, 4, 4};
+    static const char *const names[5] = {"pins", "prev", "next", "slab_busy", "slab_of"};
     PyObject *result = NULL;
     Py_ssize_t n = 0, *pids = NULL;
-    for (; got < 5; got++)
-        if (get(o[got], &a[got], 4, names[got]) < 0) goto done;
-    if ((pids = ids(o[5], a[0].n, &n)) == NULL) goto done;
-    if (sentinel < 0 || sentinel >= a[0].n) {
-        PyErr_SetString(PyExc_IndexError, "sentinel is out of the table");
-        goto done;
-    }
+    int got = get_all(o, a, sizes, names, 5);
+    if (got < 5 || (pids = ids(o[5], a[0].n, &n)) == NULL || check_sentinel(sentinel, a[0].n) < 0) goto done;
     int32_t *pins = I32(a[0]), *prev = I32(a[1]), *next = I32(a[2]), *busy = I32(a[3]), *slab_of = I32(a[4]);
     Py_ssize_t k = 0; /* the unpinned pages, compacted at the front of pids */
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -155,18 +162,12 @@ static PyObject *seal(PyObject *self, PyObject *args) {
     Py_ssize_t sentinel;
     if (!PyArg_ParseTuple(args, "OOOOOOn", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &sentinel)) return NULL;
     Arr a[5];
-    Py_ssize_t sizes[5] = {1, 4, 4, 4, 4};
-    const char *names[5] = {"state", "prev", "next", "slab_busy", "slab_of"};
-    int got = 0;
+    static const Py_ssize_t sizes[5] = {1, 4, 4, 4, 4};
+    static const char *const names[5] = {"state", "prev", "next", "slab_busy", "slab_of"};
     PyObject *result = NULL;
     Py_ssize_t n = 0, *pids = NULL;
-    for (; got < 5; got++)
-        if (get(o[got], &a[got], sizes[got], names[got]) < 0) goto done;
-    if ((pids = ids(o[5], a[0].n, &n)) == NULL) goto done;
-    if (sentinel < 0 || sentinel >= a[0].n) {
-        PyErr_SetString(PyExc_IndexError, "sentinel is out of the table");
-        goto done;
-    }
+    int got = get_all(o, a, sizes, names, 5);
+    if (got < 5 || (pids = ids(o[5], a[0].n, &n)) == NULL || check_sentinel(sentinel, a[0].n) < 0) goto done;
     int8_t *state = I8(a[0]);
     int32_t *busy = I32(a[3]), *slab_of = I32(a[4]);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -191,14 +192,12 @@ static PyObject *forget(PyObject *self, PyObject *args) {
                           &reused))
         return NULL;
     Arr a[3];
-    Py_ssize_t sizes[3] = {1, 4, 4};
-    const char *names[3] = {"state", "prev", "next"};
-    int got = 0;
+    static const Py_ssize_t sizes[3] = {1, 4, 4};
+    static const char *const names[3] = {"state", "prev", "next"};
     PyObject *result = NULL;
     Py_ssize_t n = 0, *pids = NULL;
-    for (; got < 3; got++)
-        if (get(o[got], &a[got], sizes[got], names[got]) < 0) goto done;
-    if ((pids = ids(pid_seq, a[0].n, &n)) == NULL) goto done;
+    int got = get_all(o, a, sizes, names, 3);
+    if (got < 3 || (pids = ids(pid_seq, a[0].n, &n)) == NULL) goto done;
     if (PyList_GET_SIZE(hashes) != a[0].n) {
         PyErr_SetString(PyExc_ValueError, "block_hash must have one entry per page id");
         goto done;
@@ -299,14 +298,12 @@ static PyObject *open_pages(PyObject *self, PyObject *args) {
                           &pid_seq, &hash_seq, &ns_id, &writer_count))
         return NULL;
     Arr a[5];
-    Py_ssize_t sizes[5] = {1, 4, 4, 4, 4};
-    const char *names[5] = {"state", "ns_of", "writers", "slab_busy", "slab_of"};
-    int got = 0;
+    static const Py_ssize_t sizes[5] = {1, 4, 4, 4, 4};
+    static const char *const names[5] = {"state", "ns_of", "writers", "slab_busy", "slab_of"};
     PyObject *result = NULL, *fast = NULL;
     Py_ssize_t n = 0, *pids = NULL;
-    for (; got < 5; got++)
-        if (get(o[got], &a[got], sizes[got], names[got]) < 0) goto done;
-    if ((pids = ids(pid_seq, a[0].n, &n)) == NULL) goto done;
+    int got = get_all(o, a, sizes, names, 5);
+    if (got < 5 || (pids = ids(pid_seq, a[0].n, &n)) == NULL) goto done;
     if ((fast = PySequence_Fast(hash_seq, "hashes must be a sequence")) == NULL) goto done;
     if (PySequence_Fast_GET_SIZE(fast) != n || PyList_GET_SIZE(block_hash) != a[0].n) {
         PyErr_SetString(PyExc_ValueError, "one hash per page id, and one block_hash entry per page of the table");
