@@ -6,7 +6,9 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("kvseal.copy._rows", ["kvseal/copy/_rows.c"], extra_compile_args=["-O2"], optional=True),
+        Extension(
+            "kvseal.copy._rows", ["kvseal/copy/_rows.c"], extra_compile_args=["-O2"], libraries=["dl"], optional=True
+        ),
         Extension("kvseal.core._table", ["kvseal/core/_table.c"], extra_compile_args=["-O2"], optional=True),
     ]
 )

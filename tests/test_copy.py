@@ -6,14 +6,18 @@ on a GPU in `kvseal bench cuda`)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
+import xxhash
+import xxhash._xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvseal.copy.copier import SlotSource, WorkerCopier, _spans
-from kvseal.copy.kernel import COPY_PATH, copy_page, kernel
+from kvseal.copy.kernel import COPY_PATH, NATIVE_CHECKSUMS, checksums, copy_page, kernel
 from kvseal.core.store import PAGE_ALIGN, page_stride
 from kvseal.testing.cuda import HostRuntime
 
@@ -66,9 +70,13 @@ batches = st.integers(0, 8).flatmap(
 PATHS = ["kernel", "kernel streaming", "numpy", "cuda 2d", "cuda batch"]
 
 
-def test_the_kernel_is_built_and_chosen() -> None:
+def test_the_kernel_is_built_and_chosen_unless_the_environment_says_numpy() -> None:
     assert kernel is not None, "kvseal/copy/_rows.c was not built: pip install -e . needs gcc and Python's headers"
-    assert COPY_PATH.startswith("kernel")
+    if os.environ.get("KVSEAL_COPY") == "numpy":
+        assert (COPY_PATH, NATIVE_CHECKSUMS) == ("numpy", False)
+    else:
+        assert COPY_PATH.startswith("kernel")
+        assert NATIVE_CHECKSUMS, "the kernel did not find XXH3_64bits in the xxhash package's extension module"
 
 
 @given(batches, st.sampled_from(PATHS))
@@ -160,3 +168,24 @@ def test_copy_page_moves_a_whole_page_or_refuses_another_size() -> None:
     assert bytes(into) == page.tobytes()
     with pytest.raises(ValueError, match="bytes into"):
         copy_page(memoryview(into)[1:], page)
+
+
+# lengths across XXH3's code paths: 0, 1-3, 4-8, 9-16, 17-128, 129-240, longer (one stripe, several blocks)
+@given(st.lists(st.binary(max_size=300) | st.integers(0, 5000).map(lambda n: bytes(range(256)) * (n // 256 + 1))))
+def test_the_kernels_checksums_are_xxh3_64(buffers: list[bytes]) -> None:
+    views = [memoryview(b)[1:] if b else memoryview(b) for b in buffers]  # not always at the start of an allocation
+    assert checksums(views) == [xxhash.xxh3_64_intdigest(v) for v in views]
+    assert checksums(tuple(buffers)) == [xxhash.xxh3_64_intdigest(b) for b in buffers]
+
+
+def test_the_kernel_refuses_to_checksum_what_is_no_contiguous_buffer() -> None:
+    assert kernel is not None
+    assert kernel.load_xxh3(xxhash._xxhash.__file__)  # already done at import unless KVSEAL_COPY=numpy
+    with pytest.raises(TypeError, match="a sequence of buffers"):
+        kernel.checksums(7)
+    with pytest.raises(TypeError):
+        kernel.checksums([b"page", "text"])  # a str exports no buffer: nothing is left acquired
+    with pytest.raises(BufferError):
+        kernel.checksums([memoryview(bytes(64))[::2]])
+    assert kernel.load_xxh3("/no/such/library.so") is False
+    assert kernel.checksums([b"still loaded"]) == [xxhash.xxh3_64_intdigest(b"still loaded")]

@@ -30,9 +30,10 @@ from typing import Any
 import grpc
 
 from kvseal.auth import is_loopback, local_uid_allowed, tcp_peer_uid
+from kvseal.copy.kernel import checksums
 from kvseal.core.layout import Layout
 from kvseal.errors import FailedPrecondition
-from kvseal.peer.tcp import checksums, recv_frame
+from kvseal.peer.tcp import recv_frame
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
 from kvseal.sockets import recv_exact

@@ -22,10 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvseal.copy.kernel import checksums
 from kvseal.engine.engine import Engine
 from kvseal.errors import InvalidArgument
 from kvseal.peer.handshake import HANDSHAKE_TIMEOUT_S, MAX_HANDSHAKES, Handshakes
-from kvseal.peer.tcp import checksums, recv_frame
+from kvseal.peer.tcp import recv_frame
 from kvseal.sockets import recv_exact
 from kvseal.wire import peer as wire
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 import socket
 from collections.abc import Sequence
 
-import xxhash
-
 from kvseal.sockets import recv_exact
 from kvseal.wire.peer import ProtocolError
 
@@ -53,12 +51,6 @@ def recv_all_into(sock: socket.socket, views: Sequence[memoryview]) -> None:
             else:
                 pending[i] = pending[i][got:]
                 got = 0
-
-
-def checksums(views: Sequence[memoryview]) -> list[int]:
-    """XXH3-64 of each page (xxhash holds the GIL while it hashes, but a thread blocked in a socket call does not:
-    hashing on one thread while another sends or receives overlaps the two)."""
-    return [xxhash.xxh3_64_intdigest(v) for v in views]
 
 
 class TcpDataPlane:

@@ -42,8 +42,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
+from kvseal.copy.kernel import checksums
 from kvseal.errors import DataLoss
 
 FORMAT = 1
@@ -134,7 +134,8 @@ def align(n: int, to: int) -> int:
 
 
 def checksum(data: bytes | memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(data)
+    """XXH3-64 of a payload (without the GIL when the copy kernel can: readers and the writer hash in parallel)."""
+    return checksums((data,))[0]
 
 
 # -------------------------------------------------------------------- segment header
@@ -211,12 +212,7 @@ def encode_record_header(
         checksum(payload) if payload_xxh is None else payload_xxh,
     )
     variable = ns + block_hash
-    return (
-        fixed
-        + _U64.pack(xxhash.xxh3_64_intdigest(fixed + variable))
-        + variable
-        + bytes(hlen - _RECORD_FIXED - len(variable))
-    )
+    return fixed + _U64.pack(checksum(fixed + variable)) + variable + bytes(hlen - _RECORD_FIXED - len(variable))
 
 
 def decode_record_header(data: bytes | memoryview) -> RecordHeader:
@@ -231,7 +227,7 @@ def decode_record_header(data: bytes | memoryview) -> RecordHeader:
     if hlen < end or len(data) < end:
         raise FormatError("checksum" if hlen < end else "truncated", "record header cut short")
     variable = bytes(data[_RECORD_FIXED:end])
-    if _U64.unpack_from(data, _RECORD.size)[0] != xxhash.xxh3_64_intdigest(fixed + variable):
+    if _U64.unpack_from(data, _RECORD.size)[0] != checksum(fixed + variable):
         raise FormatError("checksum", "record header checksum mismatch")
     if version != RECORD_VERSION:
         raise FormatError("version", f"record version {version}, this kvseal reads {RECORD_VERSION}")
