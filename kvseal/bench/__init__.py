@@ -6,6 +6,7 @@ kvseal bench ssd [--quick] [--dir DIR]            # kvseal.bench.ssd: the SSD ti
 kvseal bench peer [--quick]                       # kvseal.bench.peer: peer fetch vs memcpy, Mooncake, loopback TCP
 kvseal bench cuda [--quick]                       # kvseal.bench.cuda: CUDA KV vs pinned cudaMemcpy (a GPU)
 kvseal bench store_ops [--quick]                  # kvseal.bench.store_ops: the store's hot calls, in-process
+kvseal bench hitrate [--quick]                    # kvseal.bench.hitrate: eviction policies' hit ratios, offline
 kvseal bench ops [--quick] [--baseline REV]       # kvseal.bench.ops: the control plane over the lane, vs its floor
 kvseal bench vllm_ttft [...]                      # kvseal.bench.vllm_ttft: vLLM TTFT with kvseal, none, Example
 kvseal bench pd [...]                             # kvseal.bench.pd: prefill/decode through kvseal router
@@ -16,6 +17,6 @@ kvseal.bench.vllm_ttft_model OUTDIR` (builds the model), `python -m kvseal.bench
 `python -m kvseal.bench.ops --client SPEC` (one client of the ops benchmark). Modules that are no benchmark of their
 own: kvseal.bench.harness (what several benchmarks share: the engine subprocess, a worker's KV memory and its
 registration, block hashes, the memcpy ceiling, CPU accounting), kvseal.bench.engine_cases (the engine benchmark's
-cases), kvseal.bench.workload (a replayable prefix-cache workload) and kvseal.bench.baseline (an earlier
-revision's engine in a temporary venv).
+cases), kvseal.bench.workload (replayable prefix-cache workloads), kvseal.bench.hitsim (the hit-ratio simulator)
+and kvseal.bench.baseline (an earlier revision's engine in a temporary venv).
 """

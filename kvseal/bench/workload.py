@@ -14,6 +14,10 @@ The model (every draw from one seeded generator, so a workload is the same on ev
 
 So a request shares its system prompt's blocks with every conversation on that prompt, and its whole history
 with the conversation's previous request.
+
+`MixedWorkload` interleaves four kinds of traffic over one run, for the eviction policies' hit-ratio simulator
+(kvseal.bench.hitrate): such chats (a `Workload` of their own), agent loops that re-send a growing context, RAG
+prompts over a shared pool of documents, and one-off prompts that are never seen again.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ class Workload:
 
     def requests(self, block_tokens: int) -> list[list[bytes]]:
         """Every request's block hashes, in arrival order."""
+        return [request for _, request in self.timed(block_tokens)]
+
+    def timed(self, block_tokens: int) -> list[tuple[float, list[bytes]]]:
+        """Every request's arrival time (in run lengths, from 0) and block hashes, in arrival order."""
         rng = np.random.default_rng(self.seed)
         typical = self.system_tokens
         lengths = np.clip(rng.lognormal(np.log(typical), 0.6, self.system_prompts), 64, 8 * typical)
@@ -61,11 +69,94 @@ class Workload:
             turns.append(pieces)
         chains = [_Chain(block_tokens) for _ in range(self.conversations)]
         out = []
-        for _, c, k in sorted(arrivals):
+        for t, c, k in sorted(arrivals):
             # turn k's prompt: the system prompt, then user message / reply pairs, ending with user message k
             prompt = np.concatenate(turns[c][: 2 * k + 2])
-            out.append(chains[c].hashes(prompt))
+            out.append((t, chains[c].hashes(prompt)))
         return out
+
+
+@dataclass(frozen=True)
+class MixedWorkload:
+    """Chats, agent loops, RAG and one-off prompts, interleaved by arrival time (every draw seeded: the same
+    workload on every run and machine). Arrival times are uniform over the run unless said otherwise:
+
+    - `chat`: multi-turn chats over shared system prompts, as `Workload` (its own seed and times);
+    - `agents` agent loops, each on one of `agent_prompts` system prompts (Zipf(1.1), ~1500 tokens) with a task
+      message (~300 tokens), running 5..30 steps (`min_steps`..`max_steps`, uniform) an exponential
+      `agent_gap` apart; each step re-sends the whole context and appends a model output (log-normal ~100
+      tokens) and a tool result (log-normal ~300 tokens);
+    - `rag` requests: one of `rag_prompts` system prompts (~600 tokens, uniform), then 1..3 distinct documents of a
+      pool of `documents` (log-normal ~600 tokens, Zipf(1.0) popularity, in drawn order), then a unique question
+      (~60 tokens);
+    - `one_offs` prompts of unique tokens from the first one (log-normal ~1000 tokens), never repeated.
+
+    `requests(block_tokens)`: every request's block hashes, chained as `Workload`'s, in arrival order;
+    `labelled(block_tokens)` also names each request's kind. The defaults give 3378 requests asking 892k blocks
+    of which 171k distinct at 16-token blocks (26k and 5.1k at 512), in about a second."""
+
+    seed: int = 0
+    chat: Workload = Workload(seed=1)
+    agents: int = 60
+    agent_prompts: int = 4
+    min_steps: int = 5
+    max_steps: int = 30
+    agent_gap: float = 0.003
+    rag: int = 1000
+    rag_prompts: int = 2
+    documents: int = 200
+    one_offs: int = 400
+
+    KINDS = ("chat", "agent", "rag", "one-off")
+
+    def requests(self, block_tokens: int) -> list[list[bytes]]:
+        """Every request's block hashes, in arrival order."""
+        return [hashes for _, hashes in self.labelled(block_tokens)]
+
+    def labelled(self, block_tokens: int) -> list[tuple[str, list[bytes]]]:
+        """Every request's kind (one of KINDS) and block hashes, in arrival order."""
+        rng = np.random.default_rng(self.seed)
+        timed: list[tuple[float, int, int, list[bytes]]] = [  # (time, kind, sequence number, hashes)
+            (t, 0, i, hashes) for i, (t, hashes) in enumerate(self.chat.timed(block_tokens))
+        ]
+
+        def tokens(typical: float, sigma: float, low: int, high: int) -> np.ndarray:
+            n = int(np.clip(rng.lognormal(np.log(typical), sigma), low, high))
+            return rng.integers(0, VOCAB, n, dtype=np.int32)
+
+        def zipf(n: int, s: float) -> np.ndarray:
+            p: np.ndarray = 1.0 / np.arange(1, n + 1) ** s
+            p /= p.sum()
+            return p
+
+        agent_systems = [tokens(1500, 0.4, 200, 6000) for _ in range(self.agent_prompts)]
+        agent_popularity = zipf(self.agent_prompts, 1.1)
+        for a in range(self.agents):
+            pieces = [
+                agent_systems[int(rng.choice(self.agent_prompts, p=agent_popularity))],
+                tokens(300, 0.7, 20, 3000),
+            ]
+            chain = _Chain(block_tokens)
+            t = float(rng.uniform(0.0, 1.0))
+            for _ in range(int(rng.integers(self.min_steps, self.max_steps + 1))):
+                timed.append((t, 1, a, chain.hashes(np.concatenate(pieces))))
+                pieces += [tokens(100, 0.8, 5, 2000), tokens(300, 1.0, 10, 8000)]
+                t += float(rng.exponential(self.agent_gap))
+
+        rag_systems = [tokens(600, 0.3, 100, 3000) for _ in range(self.rag_prompts)]
+        docs = [tokens(600, 0.7, 100, 6000) for _ in range(self.documents)]
+        doc_popularity = zipf(self.documents, 1.0)
+        for r in range(self.rag):
+            system = rag_systems[int(rng.integers(self.rag_prompts))]
+            chosen = rng.choice(self.documents, int(rng.integers(1, 4)), replace=False, p=doc_popularity)
+            prompt = np.concatenate([system, *(docs[int(d)] for d in chosen), tokens(60, 0.5, 5, 500)])
+            timed.append((float(rng.uniform(0.0, 1.0)), 2, r, _Chain(block_tokens).hashes(prompt)))
+
+        for o in range(self.one_offs):
+            prompt = tokens(1000, 0.8, 32, 16000)
+            timed.append((float(rng.uniform(0.0, 1.0)), 3, o, _Chain(block_tokens).hashes(prompt)))
+        timed.sort(key=lambda x: x[:3])
+        return [(self.KINDS[kind], hashes) for _, kind, _, hashes in timed]
 
 
 class _Chain:

@@ -16,6 +16,7 @@ BENCH_SHARED = {
     "peer": "peer fetch between two engines and MetaServer queries (kvseal.bench.peer)",
     "cuda": "CUDA KV byte-exact and against pinned cudaMemcpy, on a GPU (kvseal.bench.cuda)",
     "store_ops": "µs per block of the store's and the engine's hot calls, in-process (kvseal.bench.store_ops)",
+    "hitrate": "eviction policies' hit ratios on replayed workloads against Belady, offline (kvseal.bench.hitrate)",
 }
 
 
@@ -113,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None and args.what != "engine":
         print(f"kvseal bench {args.what}: --plot is for `kvseal bench engine`", file=sys.stderr)
         return 2
+    if args.what == "hitrate":
+        from kvseal.bench import hitrate as bench_hitrate
+
+        return bench_hitrate.main(quick=args.quick)
     if args.what == "store_ops":
         from kvseal.bench import store_ops as bench_store_ops
 

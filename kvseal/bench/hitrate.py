@@ -1,0 +1,122 @@
+"""Hit ratios of the eviction policies (kvseal.core.policies) on replayed workloads, offline: no engine, only the
+simulator (kvseal.bench.hitsim), next to Belady's optimum with and without admission.
+
+    kvseal bench hitrate [--quick]
+
+Workloads: kvseal.bench.workload's multi-turn chats (`Workload()`) and its mix of chats, agent loops, RAG and
+one-off prompts (`MixedWorkload()`), each at 16- and 512-token blocks. Capacities: 1, 2, 5, 10, 20 and 50 % of the
+workload's distinct blocks. For each, the hit ratio (blocks found / blocks asked) of every policy of POLICIES, of
+Belady (`belady`) and of Belady with admission (`belady+adm`); then each policy over LRU, over prefix-LRU (the
+floor) and over Belady; for the mixed workloads, the hit ratio of each kind of request at 5 %.
+
+Last line: RESULT tinylfu_vs_prefixlru_5pct=… (the best policy other than lru and prefix-lru over prefix-LRU, at 5 %
+on the mixed 16-token workload) min_vs_prefixlru=… (the minimum over every workload and capacity of that best
+policy over prefix-LRU) prefixlru_vs_lru_5pct=… belady_vs_lru_5pct=… (mixed, 16-token, 5 %, Belady without
+admission) tinylfu_only_vs_prefixlru_5pct=… (TinyLFU itself) best_vs_belady_5pct=…. `--quick` replays smaller
+workloads (smoke figures).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+from kvseal.bench.hitsim import SimResult, belady, simulate
+from kvseal.bench.workload import MixedWorkload, Workload
+from kvseal.core.policies import POLICIES
+
+PERCENTS = (1, 2, 5, 10, 20, 50)
+BLOCK_TOKENS = (16, 512)
+FLOORS = ("lru", "prefix-lru")  # the policies the others are measured against
+BELADY = ("belady", "belady+adm")
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b; 1.0 when both are 0, inf when only b is."""
+    if b:
+        return a / b
+    return 1.0 if not a else math.inf
+
+
+def run_case(requests: Sequence[Sequence[bytes]], capacity: int) -> dict[str, SimResult]:
+    """Every policy's, Belady's and Belady-with-admission's result on `requests` with room for `capacity` blocks."""
+    out = {name: simulate(requests, capacity, make(capacity)) for name, make in POLICIES.items()}
+    out["belady"] = belady(requests, capacity, admission=False)
+    out["belady+adm"] = belady(requests, capacity, admission=True)
+    return out
+
+
+def best_other(results: dict[str, SimResult]) -> tuple[str, float]:
+    """The policy (not a floor, not Belady) with the highest hit ratio, and that ratio over prefix-LRU's."""
+    name = max((n for n in POLICIES if n not in FLOORS), key=lambda n: results[n].ratio)
+    return name, ratio(results[name].ratio, results["prefix-lru"].ratio)
+
+
+def report(label: str, kinds: list[str] | None, requests: list[list[bytes]]) -> dict[int, dict[str, SimResult]]:
+    """Runs every capacity of one workload and prints its tables; returns the results by capacity percent."""
+    distinct = len({key for request in requests for key in request})
+    asked = sum(map(len, requests))
+    print(f"\n{label}: {len(requests)} requests, {asked} blocks asked, {distinct} distinct")
+    names = [*POLICIES, *BELADY]
+    print(f"{'cap %':>5} {'blocks':>7} " + " ".join(f"{n:>11}" for n in names))
+    by_pct: dict[int, dict[str, SimResult]] = {}
+    for pct in PERCENTS:
+        capacity = max(1, round(distinct * pct / 100))
+        results = by_pct[pct] = run_case(requests, capacity)
+        print(f"{pct:>5} {capacity:>7} " + " ".join(f"{results[n].ratio:>11.4f}" for n in names))
+    print("over LRU / over prefix-LRU / over Belady:")
+    print(f"{'cap %':>5} " + " ".join(f"{n:>20}" for n in POLICIES))
+    for pct, results in by_pct.items():
+        cells = []
+        for n in POLICIES:
+            r = results[n].ratio
+            lru, plru, bel = (results[x].ratio for x in ("lru", "prefix-lru", "belady"))
+            cells.append(f"{ratio(r, lru):.3f}/{ratio(r, plru):.3f}/{ratio(r, bel):.3f}")
+        print(f"{pct:>5} " + " ".join(f"{c:>20}" for c in cells))
+    if kinds is not None:
+        print("hit ratio by kind of request at 5 %:")
+        print(f"{'kind':>8} {'asked':>8} " + " ".join(f"{n:>11}" for n in names))
+        for kind in MixedWorkload.KINDS:
+            mine = [i for i, k in enumerate(kinds) if k == kind]
+            n_asked = sum(len(requests[i]) for i in mine)
+            found = {n: sum(by_pct[5][n].per_request[i] for i in mine) for n in names}
+            print(f"{kind:>8} {n_asked:>8} " + " ".join(f"{ratio(found[n], n_asked):>11.4f}" for n in names))
+    return by_pct
+
+
+def main(quick: bool = False) -> int:
+    start = time.perf_counter()
+    print(f"kvseal bench hitrate ({'quick' if quick else 'full'}): policies {', '.join(POLICIES)}; Belady")
+    chat = Workload(conversations=50) if quick else Workload()
+    mixed = (
+        MixedWorkload(chat=Workload(seed=1, conversations=50), agents=10, rag=150, documents=40, one_offs=60)
+        if quick
+        else MixedWorkload()
+    )
+    runs: dict[str, dict[int, dict[str, SimResult]]] = {}
+    for bt in BLOCK_TOKENS:
+        runs[f"chat{bt}"] = report(f"chat, {bt}-token blocks", None, chat.requests(bt))
+        labelled = mixed.labelled(bt)
+        kinds = [kind for kind, _ in labelled]
+        runs[f"mixed{bt}"] = report(f"mixed, {bt}-token blocks", kinds, [hashes for _, hashes in labelled])
+    at5 = runs["mixed16"][5]
+    best, best_vs_floor = best_other(at5)
+    print(f"\nbest policy over prefix-LRU at 5 % on mixed 16-token blocks: {best}")
+    result = {
+        "tinylfu_vs_prefixlru_5pct": best_vs_floor,
+        "min_vs_prefixlru": min(best_other(r)[1] for by_pct in runs.values() for r in by_pct.values()),
+        "prefixlru_vs_lru_5pct": ratio(at5["prefix-lru"].ratio, at5["lru"].ratio),
+        "belady_vs_lru_5pct": ratio(at5["belady"].ratio, at5["lru"].ratio),
+        "tinylfu_only_vs_prefixlru_5pct": ratio(at5["tinylfu"].ratio, at5["prefix-lru"].ratio),
+        "best_vs_belady_5pct": ratio(at5[best].ratio, at5["belady"].ratio),
+    }
+    print(f"{time.perf_counter() - start:.1f} s")
+    if quick:
+        print("quick: smoke figures on small sizes, not the targets' measurement")
+    print("RESULT " + " ".join(f"{k}={v:.4f}" for k, v in result.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
