@@ -1,0 +1,252 @@
+"""What-if hit ratios for one namespace: the hit ratio it would have had with 2x and 4x its pool, and with no
+eviction at all, estimated online from the requests it sees and the blocks its pool evicts and stores (`WhatIf`),
+for /metrics. Pure: no I/O, no locks, not thread-safe (the engine calls it under its lock).
+
+The caller calls, per request: `observe(keys, hit)` at lookup (the request's block hashes in prompt order and its
+actual hit, the leading resident blocks), then `evicted(victims)` for the blocks the pool evicts (in eviction
+order) and `stored(blocks)` for the blocks it stores. `estimates()` reads the ratios.
+
+Larger pools (a ghost index). Under LRU a pool of C blocks holds the C most recently used blocks, a pool of kC the
+kC most recent ones (LRU's inclusion property), so a block that misses at C hits at kC when fewer than kC blocks
+were used after it: the C resident ones and the blocks evicted after it. `WhatIf` keeps the recently evicted
+blocks, newest first, as a ghost of 3 x C entries: `near`, the newest C (resident in a 2C pool), and `far`, the
+next 2C (resident in a 4C pool). A ghost block that is stored again leaves the ghost (it is resident again), and
+the ghost's next newest block moves up, so ranks count only blocks still evicted, as the LRU stack does. A request
+that hit h blocks would have hit, at 2x, h plus the next blocks while each is in `near` or (given `held`) held by
+the pool now: a block held now is held by the larger pool too, and a hash chain only hits up to its first miss.
+At 4x, `far` counts as well. So hit <= hit_2x <= hit_4x per request: the ratios are monotone by construction.
+
+This is exact for a pool that evicts a pure LRU stack, given `held`. The engine's LRU is nearly one: a resident
+block past a request's first miss is not touched (a skipped re-save), so that block is older at C than it would
+be at kC, and the larger pools would evict a little differently; tests/test_ghost.py measures the error against
+the offline simulator (kvseal.bench.hitsim with LRU at 2C and 4C). `resize` keeps the ghost's order and
+re-splits it for the new capacity: the blocks the old pool evicted are then ranked against the new one.
+
+Ghost entries are 8-byte fingerprints of the block hashes (their first 8 bytes as an int): block hashes are
+already uniformly random (blake2b / sha256 chains), so no further hashing is needed, and a false match among
+3C entries has probability about 3C / 2^64 per lookup. `near` and `far` are OrderedDicts (fingerprint -> None,
+oldest first): insert, lookup, removal and moving the oldest `near` entry to `far` are O(1).
+Memory per ghost entry, measured with tracemalloc (4C evictions into a full ghost, C = 1k..150k): 125 to 190
+bytes, with the dicts' fill: the OrderedDict's dict entry, index slot and linked-list node, and the 36-byte int
+fingerprint (40 with the allocator's rounding). So 3C entries cost up to about 570 bytes per pool block, next to
+the block itself (KiBs to MiBs).
+
+No eviction (a HyperLogLog). With an unbounded pool every block seen before is resident, so a request misses
+exactly its blocks never seen before: in a hash chain a block's hash covers every block before it, so once a
+request's block is new every later block of the request is new too, and its hit in the unbounded pool is its
+leading blocks seen before. The unbounded pool's misses are then the first sightings, one per distinct block, and
+its hit ratio is 1 - distinct / lookups. The blocks counted are those that missed (past the actual hit): a block of
+the hit prefix is resident, so it was stored before (the unbounded pool holds it too), and every block that
+misses is stored afterwards. They are counted by a HyperLogLog of 2^12 registers (4 KiB; standard error
+1.04 / sqrt(4096) = 1.6 %; the plain algorithm's estimate is biased up by about 1.5 % where it switches from
+linear counting, around 10k distinct blocks). The ratio is clamped to at least the 4x estimate: an unbounded
+pool hits at least as much as a 4x one, but 1 - distinct / lookups can come out lower: the distinct estimate can
+be over (HLL error), and blocks that were resident before `WhatIf` started, or stored without a lookup (a peer's,
+the SSD tier's), count as first sightings when they are evicted and then miss, though an unbounded pool would
+still hold them; and the 4x estimate itself can be slightly over for a pool that is not a pure LRU stack.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+
+def _digest(key: bytes) -> bytes:
+    """At least 16 uniformly random bytes for `key`: the key itself when it is a hash of 16 bytes or more (block
+    hashes are 32), else a blake2b of it (short keys, as tests use)."""
+    return key if len(key) >= 16 else hashlib.blake2b(key, digest_size=16).digest()
+
+
+def _fingerprint(key: bytes) -> int:
+    """The ghost's 8-byte fingerprint of `key`: its first 8 bytes (the HyperLogLog uses the next 8)."""
+    return int.from_bytes(_digest(key)[:8], "little")
+
+
+class HyperLogLog:
+    """Counts distinct keys in 2^`precision` one-byte registers (Flajolet, Fusy, Gandouet, Meunier, "HyperLogLog:
+    the analysis of a near-optimal cardinality estimation algorithm", 2007), from 64-bit words: a word's low
+    `precision` bits pick a register, which keeps the largest rank seen, the rank being the position of the
+    first 1 bit in the word's other 64 - precision bits, from the most significant (1 for a leading 1; all zero
+    gives 65 - precision). `estimate()` is the bias-corrected raw estimate alpha_m m^2 / sum(2^-register), or
+    linear counting m ln(m / zero registers) when the raw estimate is at most 5m/2 and a register is still zero.
+    With 64-bit words no large-range correction is needed. Standard error 1.04 / sqrt(m)."""
+
+    def __init__(self, precision: int = 12) -> None:
+        if not 7 <= precision <= 16:
+            raise ValueError(f"precision must be 7..16 (alpha_m's formula needs m >= 128), not {precision}")
+        self._p = precision
+        self._m = 1 << precision
+        self._mask = self._m - 1
+        self._width = 64 - precision  # the bits a rank is read from
+        self._registers = bytearray(self._m)
+        # the estimate is biased up by ~1.5 % (mean) just above its switch from linear counting (n ~ 2.5m): the
+        # plain algorithm's known weak spot, which HLL++'s empirical tables or Ertl's estimator (2017) remove
+
+    def add_word(self, word: int) -> None:
+        """Counts a uniformly random 64-bit word."""
+        j = word & self._mask
+        rank = self._width - (word >> self._p).bit_length() + 1
+        if rank > self._registers[j]:
+            self._registers[j] = rank
+
+    def add(self, key: bytes) -> None:
+        """Counts `key` (bytes 8..16 of a hash key, the ghost using the first 8; a short key is hashed first)."""
+        self.add_word(int.from_bytes(_digest(key)[8:16], "little"))
+
+    def estimate(self) -> float:
+        """The distinct words counted, estimated."""
+        m = self._m
+        registers = self._registers
+        alpha = 0.7213 / (1.0 + 1.079 / m)
+        harmonic = math.fsum(registers.count(rank) * 2.0**-rank for rank in range(self._width + 2))
+        raw = alpha * m * m / harmonic
+        if raw <= 2.5 * m:
+            zeros = registers.count(0)
+            if zeros:
+                return m * math.log(m / zeros)
+        return raw
+
+
+@dataclass(frozen=True)
+class WhatIfEstimates:
+    """`lookups`: blocks asked; `hits`: blocks found (leading resident blocks of each request); `hits_2x`,
+    `hits_4x`: those a pool of 2x and 4x the capacity would have found, estimated; `ratio*`: hits / lookups (0.0
+    before any lookup), `ratio_unbounded` the estimate for a pool that never evicts; `distinct_estimate`: the
+    distinct blocks that missed when asked (the first sightings), estimated."""
+
+    lookups: int
+    hits: int
+    hits_2x: int
+    hits_4x: int
+    ratio: float
+    ratio_2x: float
+    ratio_4x: float
+    ratio_unbounded: float
+    distinct_estimate: float
+
+
+class WhatIf:
+    """One namespace's what-if hit ratios (the module docstring says how). `capacity`: the blocks the pool holds
+    for the namespace now. Memory: up to 3 x capacity ghost entries (125 to 190 bytes each) and 4 KiB."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = self._checked(capacity)
+        self._near: OrderedDict[int, None] = OrderedDict()  # the newest `capacity` ghost entries, oldest first
+        self._far: OrderedDict[int, None] = OrderedDict()  # the next 2 x capacity, oldest first
+        self._distinct = HyperLogLog()
+        self._lookups = self._hits = self._hits_2x = self._hits_4x = 0
+
+    @staticmethod
+    def _checked(capacity: int) -> int:
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, not {capacity}")
+        return capacity
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def __len__(self) -> int:
+        """Ghost entries held (at most 3 x capacity)."""
+        return len(self._near) + len(self._far)
+
+    def resize(self, capacity: int) -> None:
+        """The pool now holds `capacity` blocks for the namespace: the ghost is re-split (and trimmed, oldest
+        first) for it."""
+        self._capacity = self._checked(capacity)
+        self._balance()
+
+    def tier(self, key: bytes) -> int:
+        """Where the ghost has `key`: 2 if among the newest capacity entries (a 2x pool holds it), 4 if among the
+        next 2 x capacity (only a 4x pool does), 0 if not in the ghost."""
+        fp = _fingerprint(key)
+        return 2 if fp in self._near else 4 if fp in self._far else 0
+
+    def observe(self, keys: Sequence[bytes], hit: int, held: Callable[[bytes], bool] | None = None) -> None:
+        """A request's block hashes in prompt order and its hit (its leading resident blocks; clamped to
+        0..len(keys)). `held` (optional) says whether the pool holds a block now: it is asked only for blocks past
+        the first miss; without it a 2x or 4x hit stops at the first block the ghost lacks, which undercounts when
+        the pool keeps blocks past a request's evicted ones (LRU evicts a request's first blocks first)."""
+        n = len(keys)
+        hit = min(max(hit, 0), n)
+        self._lookups += n
+        self._hits += hit
+        add = self._distinct.add
+        for key in keys[hit:]:
+            add(key)
+        near, far = self._near, self._far
+        i = hit
+        while i < n:
+            key = keys[i]
+            if _fingerprint(key) in near or (held is not None and held(key)):
+                i += 1
+            else:
+                break
+        self._hits_2x += i
+        while i < n:
+            key = keys[i]
+            fp = _fingerprint(key)
+            if fp in near or fp in far or (held is not None and held(key)):
+                i += 1
+            else:
+                break
+        self._hits_4x += i
+
+    def evicted(self, keys: Iterable[bytes]) -> None:
+        """Blocks the pool just evicted, in eviction order: they become the ghost's newest entries."""
+        near, far = self._near, self._far
+        for key in keys:
+            fp = _fingerprint(key)
+            if fp in near:  # evicted again without `stored` in between: it moves to the newest end
+                del near[fp]
+            elif fp in far:
+                del far[fp]
+            near[fp] = None
+        self._balance()
+
+    def stored(self, keys: Iterable[bytes]) -> None:
+        """Blocks the pool just stored: they leave the ghost (they are resident again)."""
+        near, far = self._near, self._far
+        for key in keys:
+            fp = _fingerprint(key)
+            if fp in near:
+                del near[fp]
+            elif fp in far:
+                del far[fp]
+        self._balance()
+
+    def _balance(self) -> None:
+        """Restores near = the newest capacity entries and far = at most the next 2 x capacity."""
+        near, far, capacity = self._near, self._far, self._capacity
+        while len(near) > capacity:
+            far[near.popitem(last=False)[0]] = None  # near's oldest becomes far's newest
+        while len(near) < capacity and far:
+            fp = far.popitem(last=True)[0]
+            near[fp] = None
+            near.move_to_end(fp, last=False)
+        while len(far) > 2 * capacity:
+            far.popitem(last=False)
+
+    def estimates(self) -> WhatIfEstimates:
+        """The counts and ratios so far: ratio <= ratio_2x <= ratio_4x <= ratio_unbounded."""
+        lookups = self._lookups
+        distinct = self._distinct.estimate()
+        if not lookups:
+            return WhatIfEstimates(0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, distinct)
+        ratio_4x = self._hits_4x / lookups
+        unbounded = min(1.0, max(ratio_4x, 1.0 - distinct / lookups))
+        return WhatIfEstimates(
+            lookups,
+            self._hits,
+            self._hits_2x,
+            self._hits_4x,
+            self._hits / lookups,
+            self._hits_2x / lookups,
+            ratio_4x,
+            unbounded,
+            distinct,
+        )
