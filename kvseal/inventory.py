@@ -3,6 +3,7 @@ inspect` (what an SSD tier directory holds, offline). Tables for people, `--json
 
 from __future__ import annotations
 
+import http.client
 import json
 import sys
 import time
@@ -26,23 +27,42 @@ _COLUMNS = (
 )
 
 
+_WHICH_PORT = "pass --http HOST:PORT, the engine's HTTP address (kvseal serve --http-listen, default 127.0.0.1:9091)"
+
+
 def _request(method: str, url: str, token: str | None) -> Any:
+    """The JSON the engine answers; a failure exits with status 1 and one line naming the address and the fix."""
+    address = urllib.parse.urlsplit(url).netloc
     request = urllib.request.Request(url, method=method)
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
-            return json.loads(response.read())
+            body = response.read()
     except urllib.error.HTTPError as e:
         try:
             message = json.loads(e.read()).get("error", "")
-        except ValueError:
+        except (ValueError, AttributeError):
             message = ""
         raise SystemExit(f"kvseal: the engine at {url} answered {e.code}: {message or e.reason}") from None
+    except (http.client.HTTPException, ConnectionResetError):
+        # BadStatusLine, RemoteDisconnected: something listens there but speaks no HTTP/1.1, like the engine's gRPC
+        # port (HTTP/2 only)
+        raise SystemExit(
+            f"kvseal: {address} did not answer HTTP: {_WHICH_PORT}, not its gRPC --listen address"
+        ) from None
     except OSError as e:
         reason = getattr(e, "reason", e)
+        why = reason.strerror if isinstance(reason, OSError) and reason.strerror else str(reason)
         raise SystemExit(
-            f"kvseal: no engine answers at {url}: {reason}: start one (kvseal serve) or pass --http HOST:PORT"
+            f"kvseal: no engine answers at {address}: {why}: start one (kvseal serve) or {_WHICH_PORT}"
+        ) from None
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise SystemExit(
+            f"kvseal: {address} answered {url} with something that is not JSON, so it is not a kvseal engine: "
+            f"{_WHICH_PORT}"
         ) from None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import os
@@ -11,10 +12,12 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import pytest
-from conftest import REPO, EngineProcess, free_port, wait_until
+from conftest import REPO, EngineProcess, Meta, free_port, wait_until
 
 from kvseal import cli
 from kvseal.client import EngineClient
@@ -63,7 +66,7 @@ BAD = [
     (["--pool-size", "12parsecs"], "--pool-size"),
     (["--pool-size", "9" * 400], "--pool-size"),  # was an OverflowError traceback
     (["--slab-size", "0"], "--slab-size"),
-    (["--pool-size", "8MiB", "--slab-size", "16MiB"], "--slab-size"),
+    (["--pool-size", "8MiB", "--slab-size", "16MiB"], "--pool-size"),
     (["--lane-max-connections", "0"], "--lane-max-connections"),
     (["--lane-max-connections", "-1"], "--lane-max-connections"),
     (["--lane-max-connections", "1.5"], "--lane-max-connections"),
@@ -206,8 +209,8 @@ def test_usage_errors_of_a_first_hour_say_what_to_do() -> None:
         ),
         (
             ["--pool-size", "8MiB", "--slab-size", "16MiB"],
-            "argument --slab-size: 16 MiB is more than --pool-size (8 MiB): pass a smaller --slab-size or a larger "
-            "--pool-size",
+            "argument --pool-size: 8 MiB is less than one slab (--slab-size 16 MiB): pass --pool-size 16MiB or more, "
+            "or a smaller --slab-size (the largest page must fit in a slab)",
         ),
         (
             ["--peer-listen", f"127.0.0.1:{port}"],
@@ -239,6 +242,155 @@ def test_usage_errors_of_a_first_hour_say_what_to_do() -> None:
     for extra, expected in cases:
         r = _serve(*extra)
         assert (r.returncode, _one_error_line(r)) == (2, f"kvseal serve: error: {expected}{see}"), extra
+
+
+def _kvseal(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`python -m kvseal ARGV` as a newcomer runs it: no $KVSEAL_TOKEN, none of _serve's flags added."""
+    env = {k: v for k, v in os.environ.items() if k != "KVSEAL_TOKEN"}
+    return subprocess.run(
+        [sys.executable, "-m", "kvseal", *argv],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_a_pool_smaller_than_the_default_slab_names_pool_size() -> None:
+    """--slab-size was not passed: the line blames --pool-size and says the minimum is the default slab size."""
+    r = _kvseal("serve", "--pool-size", "10MiB", "--listen", f"127.0.0.1:{free_port()}")
+    assert (r.returncode, _one_error_line(r)) == (
+        2,
+        "kvseal serve: error: argument --pool-size: 10 MiB is less than one slab, 64 MiB (the default --slab-size): "
+        "pass --pool-size 64MiB or more, or lower the slab size, e.g. --slab-size 8MiB (the largest page must fit in "
+        "a slab) (see kvseal serve --help)",
+    )
+
+
+def test_an_ssd_capacity_past_the_free_space_is_refused(tmp_path: Path) -> None:
+    """The tier directory does not exist yet: its nearest existing parent's filesystem is the one measured."""
+    ssd = tmp_path / "not" / "yet"
+    r = _serve("--ssd-path", str(ssd), "--ssd-capacity", "1PiB")
+    line = _one_error_line(r)
+    assert r.returncode == 2, line
+    assert re.fullmatch(
+        r"kvseal serve: error: argument --ssd-capacity: 1 PiB is more than the [0-9.]+ ([KMGTP]iB|bytes) free on the "
+        rf"filesystem of --ssd-path '{re.escape(str(ssd))}': pass a smaller --ssd-capacity or free space there "
+        r"\(see kvseal serve --help\)",
+        line,
+    ), line
+    assert not (tmp_path / "not").exists()  # refused before touching anything
+    two = [str(tmp_path / "a"), str(tmp_path / "b")]
+    r = _serve("--ssd-path", two[0], "--ssd-path", two[1], "--ssd-capacity", "1PiB")
+    line = _one_error_line(r)
+    assert r.returncode == 2 and line.startswith(
+        f"kvseal serve: error: argument --ssd-capacity: 1 PiB for each of --ssd-path '{two[0]}', '{two[1]}' (2 PiB "
+        "in all) is more than the "
+    ), line
+
+
+def test_an_ssd_capacity_within_the_free_space_starts(
+    tmp_path: Path, engine_factory: Callable[..., EngineProcess]
+) -> None:
+    ssd = tmp_path / "ssd"
+    engine = engine_factory("--ssd-path", str(ssd), "--ssd-capacity", "32MiB", "--ssd-segment-size", "16MiB")
+    wait_until(lambda: engine.stdout_path.read_text().endswith("\n"), 10, "the startup line")
+    assert engine.stdout_path.read_text().endswith(f", SSD {ssd} (32 MiB each)\n")
+
+
+def test_the_tiers_own_segments_count_as_room(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart of an engine whose tier filled the disk: its segment files are room for --ssd-capacity."""
+    from kvseal.errors import ConfigError
+    from kvseal.server import config
+
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    with open(ssd / "seg-00000001.kvs", "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, 8 << 20)
+    real = os.statvfs(ssd)
+    full = os.statvfs_result((*real[:4], 0, *real[5:]))  # f_bavail: 0 bytes free
+    monkeypatch.setattr(config.os, "statvfs", lambda _: full)
+    cfg = config.ServeConfig(pool_bytes=64 << 20, slab_bytes=2 << 20, ssd_paths=(str(ssd),), ssd_segment_bytes=4 << 20)
+    config.check_config(dataclasses.replace(cfg, ssd_capacity_bytes=8 << 20))
+    with pytest.raises(ConfigError, match=r"^argument --ssd-capacity: 12 MiB is more than the 8 MiB free on the "):
+        config.check_config(dataclasses.replace(cfg, ssd_capacity_bytes=12 << 20))
+
+
+HTTP_PORT_HINT = "pass --http HOST:PORT, the engine's HTTP address (kvseal serve --http-listen, default 127.0.0.1:9091)"
+
+
+@contextlib.contextmanager
+def _answering(reply: bytes) -> Iterator[str]:
+    """A TCP server on loopback that reads what comes, answers `reply` and closes; yields its HOST:PORT."""
+    server = _listener()
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return  # closed at the end of the test
+            with conn:
+                conn.recv(4096)
+                conn.sendall(reply)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        server.shutdown(socket.SHUT_RDWR)
+        server.close()
+        thread.join(5)
+
+
+# what the engine's gRPC port answers an HTTP/1.1 request: an HTTP/2 SETTINGS frame, then GOAWAY
+H2_REPLY = bytes.fromhex("000006040000000000000500004000") + bytes.fromhex("0000080700000000000000000000000001")
+
+
+@pytest.mark.parametrize("reply", [H2_REPLY, b"", b"SSH-2.0-OpenSSH_9.6\r\n"], ids=["http2", "close", "ssh"])
+def test_namespaces_at_a_port_that_speaks_no_http_says_which_port(reply: bytes) -> None:
+    with _answering(reply) as address:
+        r = _kvseal("namespaces", "--http", address)
+    assert (r.returncode, r.stdout, r.stderr) == (
+        1,
+        "",
+        f"kvseal: {address} did not answer HTTP: {HTTP_PORT_HINT}, not its gRPC --listen address\n",
+    )
+
+
+def test_namespaces_at_the_engines_grpc_port_says_which_port(engine: EngineProcess) -> None:
+    r = _kvseal("namespaces", "--http", engine.target)
+    assert (r.returncode, r.stdout, r.stderr) == (
+        1,
+        "",
+        f"kvseal: {engine.target} did not answer HTTP: {HTTP_PORT_HINT}, not its gRPC --listen address\n",
+    )
+
+
+def test_namespaces_at_a_closed_port_names_the_address() -> None:
+    with _listener() as closed:  # closed on leaving: nothing listens at its port any more
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+    r = _kvseal("namespaces", "--http", address)
+    assert (r.returncode, r.stdout, r.stderr) == (
+        1,
+        "",
+        f"kvseal: no engine answers at {address}: Connection refused: start one (kvseal serve) or {HTTP_PORT_HINT}\n",
+    )
+
+
+def test_namespaces_at_an_http_server_that_is_no_engine_says_so() -> None:
+    reply = b"HTTP/1.0 200 OK\r\nContent-Type: text/html\r\n\r\n<html>hello</html>"
+    with _answering(reply) as address:
+        r = _kvseal("namespaces", "--http", address)
+    assert (r.returncode, r.stdout, r.stderr) == (
+        1,
+        "",
+        f"kvseal: {address} answered http://{address}/v1/namespaces with something that is not JSON, so it is not a "
+        f"kvseal engine: {HTTP_PORT_HINT}\n",
+    )
 
 
 AS_LIMIT = 1 << 30
@@ -377,6 +529,16 @@ def test_startup_line_names_every_address(engine: EngineProcess) -> None:
     )
     wait_until(lambda: engine.stdout_path.read_text().endswith("\n"), 10, "the startup line")
     assert engine.stdout_path.read_text() == expected + "\n"
+
+
+def test_startup_line_names_the_peer_port(
+    meta: Callable[..., Meta], engine_factory: Callable[..., EngineProcess]
+) -> None:
+    peer = f"127.0.0.1:{free_port()}"
+    engine = engine_factory("--metaserver", f"127.0.0.1:{meta().port}", "--peer-listen", peer)
+    wait_until(lambda: engine.stdout_path.read_text().endswith("\n"), 10, "the startup line")
+    line = engine.stdout_path.read_text()
+    assert f", HTTP on 127.0.0.1:{engine.http_port}, peer fetches on {peer}, lane " in line, line
 
 
 def test_version_is_the_package_version() -> None:

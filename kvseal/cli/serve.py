@@ -245,9 +245,10 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file size limit fails the SSD write (EFBIG), not the engine
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     pool = server.pool_bytes
+    peers = f"peer fetches on {server.peer_address}, " if server.peer_address else ""  # only with a MetaServer
     print(
         f"kvseal engine serving gRPC on {server.grpc_address}, HTTP on {server.http_address or 'nothing (off)'}, "
-        f"lane {server.lane_socket}, pool {pool} bytes ({format_size(pool)})"
+        f"{peers}lane {server.lane_socket}, pool {pool} bytes ({format_size(pool)})"
         + (f", SSD {', '.join(cfg.ssd_paths)} ({format_size(cfg.ssd_capacity_bytes)} each)" if cfg.ssd_paths else ""),
         flush=True,
     )

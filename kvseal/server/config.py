@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import stat
 from dataclasses import dataclass
 
 from kvseal.auth import is_loopback
 from kvseal.core.store import PAGE_ALIGN
 from kvseal.errors import ConfigError
+from kvseal.ssd.device import SEGMENT_NAME
 from kvseal.units import format_size
 
 
@@ -42,6 +44,9 @@ class ServeConfig:
     peer_timeout_s: float = 10.0
 
 
+DEFAULT_SLAB_BYTES: int = ServeConfig().slab_bytes
+
+
 def _is_wildcard(address: str) -> bool:
     host = address.rsplit(":", 1)[0].strip("[]")
     try:
@@ -64,10 +69,7 @@ def mapped_per_uid_cap(cfg: ServeConfig) -> int:
 def check_config(cfg: ServeConfig) -> None:
     """Raises ConfigError naming the flag and the fix when `cfg` cannot run here."""
     if cfg.slab_bytes > cfg.pool_bytes:
-        raise ConfigError(
-            f"argument --slab-size: {format_size(cfg.slab_bytes)} is more than --pool-size "
-            f"({format_size(cfg.pool_bytes)}): pass a smaller --slab-size or a larger --pool-size"
-        )
+        raise ConfigError(_pool_below_slab(cfg))
     if cfg.slab_bytes < PAGE_ALIGN:
         raise ConfigError(f"argument --slab-size: must be at least {PAGE_ALIGN} bytes, pages are aligned to that")
     if cfg.pool_bytes > physical_memory():
@@ -122,6 +124,24 @@ def check_config(cfg: ServeConfig) -> None:
         )
 
 
+def _pool_below_slab(cfg: ServeConfig) -> str:
+    """The line for a pool smaller than one slab. It names --pool-size, the flag a newcomer passes: the pool holds
+    whole slabs, so one slab is its minimum; with the default slab size (likely not passed) it says so."""
+    slab = format_size(cfg.slab_bytes)
+    minimum = slab.replace(" ", "")
+    if cfg.slab_bytes == DEFAULT_SLAB_BYTES:
+        fits = format_size(1 << (cfg.pool_bytes.bit_length() - 1)).replace(" ", "")  # a power of two, <= the pool
+        return (
+            f"argument --pool-size: {format_size(cfg.pool_bytes)} is less than one slab, {slab} (the default "
+            f"--slab-size): pass --pool-size {minimum} or more, or lower the slab size, e.g. --slab-size {fits} "
+            "(the largest page must fit in a slab)"
+        )
+    return (
+        f"argument --pool-size: {format_size(cfg.pool_bytes)} is less than one slab (--slab-size {slab}): pass "
+        f"--pool-size {minimum} or more, or a smaller --slab-size (the largest page must fit in a slab)"
+    )
+
+
 def _check_ssd(cfg: ServeConfig) -> None:
     if not cfg.ssd_paths:
         if cfg.ssd_capacity_bytes:
@@ -139,4 +159,63 @@ def _check_ssd(cfg: ServeConfig) -> None:
             f"argument --ssd-capacity: {format_size(cfg.ssd_capacity_bytes) if cfg.ssd_capacity_bytes else 'missing'}"
             f"; each --ssd-path needs at least two segments ({format_size(2 * cfg.ssd_segment_bytes)}): pass e.g. "
             "--ssd-capacity 100GiB (per path)"
+        )
+    _check_ssd_space(cfg)
+
+
+def _nearest_existing(path: str) -> str:
+    """`path`, or its nearest parent that exists (the tier directory is created at start)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _segment_bytes_held(directory: str) -> int:
+    """Bytes the tier's own segment files already take in `directory`: a restart reuses or reclaims them, so they
+    count as room for --ssd-capacity."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    held = 0
+    for name in filter(SEGMENT_NAME.match, names):
+        try:
+            st = os.lstat(os.path.join(directory, name))
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            held += st.st_blocks * 512
+    return held
+
+
+def _check_ssd_space(cfg: ServeConfig) -> None:
+    """--ssd-capacity must fit in the free space of each --ssd-path's filesystem (f_bavail: what this user may
+    write), the capacities of the paths that share one filesystem added up; a path that cannot be looked at is left
+    to the start, which names what is wrong with it."""
+    filesystems: dict[int, tuple[int, list[str]]] = {}  # st_dev -> (free bytes, its paths)
+    for path in cfg.ssd_paths:
+        where = _nearest_existing(path)
+        try:
+            vfs = os.statvfs(where)
+            device = os.stat(where).st_dev
+        except OSError:
+            continue
+        free, paths = filesystems.setdefault(device, (vfs.f_bavail * vfs.f_frsize, []))
+        paths.append(path)
+        if os.path.isdir(path):
+            filesystems[device] = (free + _segment_bytes_held(path), paths)
+    for free, paths in filesystems.values():
+        if cfg.ssd_capacity_bytes * len(paths) <= free:
+            continue
+        asked = format_size(cfg.ssd_capacity_bytes)
+        if len(paths) == 1:
+            raise ConfigError(
+                f"argument --ssd-capacity: {asked} is more than the {format_size(free)} free on the filesystem of "
+                f"--ssd-path {paths[0]!r}: pass a smaller --ssd-capacity or free space there"
+            )
+        raise ConfigError(
+            f"argument --ssd-capacity: {asked} for each of --ssd-path {', '.join(map(repr, paths))} "
+            f"({format_size(cfg.ssd_capacity_bytes * len(paths))} in all) is more than the {format_size(free)} free "
+            "on their filesystem: pass a smaller --ssd-capacity (per path) or put the paths on different disks"
         )

@@ -45,7 +45,7 @@ from kvseal.errors import FailedPrecondition
 ALIGN = 4096
 LOCK_FILE = "kvseal.lock"
 NOTES_FILE = "notes.log"
-_SEGMENT_NAME = re.compile(r"^seg-(\d{8})\.kvs$")
+SEGMENT_NAME = re.compile(r"^seg-(\d{8})\.kvs$")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC  # a FIFO or tty under a name: no hang
 _MAX_SYMLINKS = 40
@@ -213,7 +213,7 @@ class FileDevice:
         `untrusted`."""
         found = []
         for name in os.listdir(self._dir_fd):
-            m = _SEGMENT_NAME.match(name)
+            m = SEGMENT_NAME.match(name)
             if not m:
                 continue
             seq = int(m.group(1))
