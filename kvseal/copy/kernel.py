@@ -7,6 +7,7 @@ kernel is built (to compare the two, or to rule the kernel out)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Sequence
 
@@ -29,11 +30,10 @@ def _load_xxh3() -> bool:
     """Whether the kernel found XXH3_64bits in xxhash's own extension module and it hashes as xxhash does."""
     if not USE_KERNEL:
         return False
-    try:
-        from xxhash import _xxhash
-    except ImportError:  # another packaging of xxhash: python-xxhash hashes
+    spec = importlib.util.find_spec("xxhash._xxhash")
+    if spec is None or spec.origin is None:  # another packaging of xxhash: python-xxhash hashes
         return False
-    if not kernel.load_xxh3(_xxhash.__file__):
+    if not kernel.load_xxh3(spec.origin):
         return False
     probes = (b"", b"kvseal", bytes(range(256)) * 33)  # the short, middle and long code paths of XXH3
     return kernel.checksums(probes) == [xxhash.xxh3_64_intdigest(p) for p in probes]
