@@ -76,10 +76,16 @@ def mask(layout: Layout, tp_rank: int) -> int:
 
 
 def make_store(
-    arena: int, slab: int, clock: FakeClock, reclaim_step_pages: int = 2048, table: str | None = None
+    arena: int,
+    slab: int,
+    clock: FakeClock,
+    reclaim_step_pages: int = 2048,
+    table: str | None = None,
+    eviction: str = "lru",
 ) -> BlockStore:
     """A store with the page table `table` (None: BlockStore's default, KVSEAL_TABLE, which the `table` fixture
-    sets): asserted, so that a switch the store ignored fails every test instead of testing one table twice."""
+    sets): asserted, so that a switch the store ignored fails every test instead of testing one table twice.
+    `eviction`: LRU unless a test says otherwise (the exact orders below are LRU's)."""
     store = BlockStore(
         arena,
         slab_bytes=slab,
@@ -89,6 +95,7 @@ def make_store(
         lease_ttl_s=LEASE_TTL,
         reclaim_step_pages=reclaim_step_pages,
         table=table,
+        eviction=eviction,
     )
     requested = table or os.environ.get("KVSEAL_TABLE")
     if requested:
@@ -472,6 +479,36 @@ def test_eviction_is_lru_and_hits_refresh_recency(full_pool: tuple[BlockStore, i
     assert evicts(store, ns, h(7)) == {h(4)}
     assert store.lru_order(TP1.page_bytes) == [h(5), h(3), h(6), h(7)]
     assert store.statistics().evictions == 4
+    check(store)
+
+
+def test_tails_first_evicts_a_prompts_tail_before_its_head_and_re_saves_refresh(clock: FakeClock) -> None:
+    """Tails first: a batch (a seal, a lease's release, a load) is linked so its first block ends the most recent,
+    a save naming held blocks refreshes them, and a save never evicts a block it names (LRU included)."""
+    store = make_store(4096, 4096, clock, eviction="tails-first")
+    ns = store.namespace("m.x", TP1)
+    save(store, ns, TP1, [h(0), h(1), h(2)])
+    assert store.lru_order(TP1.page_bytes) == [h(2), h(1), h(0)]  # least recent first: the tail goes first
+    assert evicts(store, ns, h(3)) == set()  # a free page was left
+    assert store.lru_order(TP1.page_bytes) == [h(2), h(1), h(0), h(3)]
+    q = store.query(ns, TP1, [h(0), h(1)], "inst", 1)
+    store.release(q.lease_id, "inst")
+    assert store.lru_order(TP1.page_bytes) == [h(2), h(3), h(1), h(0)]
+    store.finish_load(store.begin_load(ns, TP1, [h(2), h(3)]))
+    assert store.lru_order(TP1.page_bytes) == [h(1), h(0), h(3), h(2)]
+    # a re-save of held blocks with one new: the held ones are refreshed (first most recent) and protected, the
+    # new one is stored in the least recent unprotected page's place and ends the most recent
+    plan = store.begin_save(ns, TP1, [h(1), h(0), h(5)], 1)
+    assert (plan.skipped, len(plan.entries)) == (2, 1)
+    assert store.lru_order(TP1.page_bytes) == [h(2), h(0), h(1)]  # h3 evicted for h5, which is inflight
+    store.finish_save(plan, ok=True)
+    assert store.lru_order(TP1.page_bytes) == [h(2), h(0), h(1), h(5)]
+    # a save whose own held blocks are all that could go stores nothing rather than evict them
+    q = store.query(ns, TP1, [h(2)], "inst", 1)
+    plan = store.begin_save(ns, TP1, [h(0), h(1), h(5), h(6)], 1)
+    assert (plan.skipped, plan.not_stored, plan.entries) == (3, 1, [])
+    store.release(q.lease_id, "inst")
+    assert store.statistics().evictions == 1
     check(store)
 
 
@@ -1291,7 +1328,7 @@ class Pool:
     @classmethod
     def of(cls, n_slabs: int, slab_bytes: int) -> Pool:
         """The parts of a store of the page table KVSEAL_TABLE picks (the `table` fixture), as the store wires them."""
-        store = BlockStore(n_slabs * slab_bytes, slab_bytes=slab_bytes)
+        store = BlockStore(n_slabs * slab_bytes, slab_bytes=slab_bytes, eviction="lru")
         assert store.table == os.environ["KVSEAL_TABLE"]
         parts = store._pages, store._namespaces, store._changes, store._eviction, store._slabs
         return cls(*parts, parts[1].add("m.x", TP1, 0), parts[4].size_class(1024))

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvseal.core import pages
+from kvseal.core.eviction import EVICTION_POLICIES
 from kvseal.core.layout import LayerGeometry, Layout, build_layout
 from kvseal.core.store import BlockStore
 from kvseal.errors import NotFound
@@ -138,13 +139,14 @@ class TableMachine(RuleBasedStateMachine):
         n_slabs=st.integers(1, 3),
         reclaim_step=st.sampled_from((1, 2, 3, 2048)),
         active=st.lists(st.sampled_from(NAMES), min_size=1, max_size=len(NAMES), unique=True),
+        eviction=st.sampled_from(EVICTION_POLICIES),
     )
-    def setup(self, n_slabs: int, reclaim_step: int, active: list[str]) -> None:
+    def setup(self, n_slabs: int, reclaim_step: int, active: list[str], eviction: str) -> None:
         """`active`: the instances this run uses (the rules' other names stand for one of them, still as owners of
         their own): one or two instances fill the pool with blocks that queries find, five thrash it."""
-        self.build(n_slabs, SLAB, reclaim_step, active)
+        self.build(n_slabs, SLAB, reclaim_step, active, eviction)
 
-    def build(self, n_slabs: int, slab_bytes: int, reclaim_step: int, active: list[str]) -> None:
+    def build(self, n_slabs: int, slab_bytes: int, reclaim_step: int, active: list[str], eviction: str) -> None:
         self.clock = FakeClock()
         self.stores = tuple(
             BlockStore(
@@ -156,6 +158,7 @@ class TableMachine(RuleBasedStateMachine):
                 lease_ttl_s=LEASE_TTL,
                 reclaim_step_pages=reclaim_step,
                 table=side,
+                eviction=eviction,
             )
             for side in SIDES
         )
@@ -455,12 +458,12 @@ TestTableMachine.settings = settings(
 
 
 @pytest.mark.parametrize(
-    ("seed", "active", "n_slabs", "min_evictions"),
-    [(1, NAMES, 40, 2000), (2, ["C", "W"], 36, 200)],
+    ("seed", "active", "n_slabs", "min_evictions", "eviction"),
+    [(1, NAMES, 40, 2000, "lru"), (2, ["C", "W"], 36, 200, "tails-first")],
     ids=["five size classes", "two classes of small pages"],
 )
 def test_a_large_pool_under_a_long_random_workload_matches(
-    seed: int, active: list[str], n_slabs: int, min_evictions: int
+    seed: int, active: list[str], n_slabs: int, min_evictions: int, eviction: str
 ) -> None:
     """The same machine on a pool of thousands of pages (each index shard holds many hashes, deleted and added
     again), first filled with 512-byte pages (more than 4096 at once: the page table grows past its first chunk
@@ -468,7 +471,7 @@ def test_a_large_pool_under_a_long_random_workload_matches(
     compared every 100 calls and at the end."""
     rng = random.Random(seed)
     m = TableMachine()
-    m.build(n_slabs=n_slabs, slab_bytes=1 << 16, reclaim_step=rng.choice((64, 2048)), active=active)
+    m.build(n_slabs=n_slabs, slab_bytes=1 << 16, reclaim_step=rng.choice((64, 2048)), active=active, eviction=eviction)
     universe = 6000
 
     def prompt() -> list[bytes]:

@@ -28,7 +28,7 @@ from kvseal.core.policies import POLICIES
 
 PERCENTS = (1, 2, 5, 10, 20, 50)
 BLOCK_TOKENS = (16, 512)
-FLOORS = ("lru", "prefix-lru")  # the policies the others are measured against
+FLOORS = ("lru", "tails-first", "prefix-lru")  # recency only: the policies the others are measured against
 BELADY = ("belady", "belady+adm")
 
 

@@ -23,6 +23,7 @@ from kvseal.cli.parsing import (
     positive_seconds,
     positive_size,
 )
+from kvseal.core.eviction import EVICTION_POLICIES
 from kvseal.errors import ConfigError
 from kvseal.server.config import ServeConfig, check_config
 from kvseal.units import format_size
@@ -54,6 +55,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
     )
     serve.add_argument(
         "--slab-size", type=positive_size, default="64MiB", help="pool slab; the largest page must fit in one"
+    )
+    serve.add_argument(
+        "--eviction",
+        choices=EVICTION_POLICIES,
+        default=EVICTION_POLICIES[0],
+        help="which blocks leave a full pool: tails-first (a prompt's last blocks before its first, re-saves "
+        "refresh) or lru (least recently used, in prompt order); docs/benchmarks.md compares them",
     )
     serve.add_argument(
         "--lease-ttl",
@@ -202,6 +210,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         slab_bytes=args.slab_size,
         lease_ttl_s=args.lease_ttl,
         inflight_timeout_s=args.inflight_timeout,
+        eviction=args.eviction,
         allow_remote=args.allow_remote,
         token=args.token,
         prefault=not args.no_prefault,

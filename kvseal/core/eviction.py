@@ -4,10 +4,18 @@ The contract (vLLM kv_offload's): `evict(c, n, protected)` frees exactly n pages
 `protected`, or changes nothing and returns []. Only sealed unpinned pages can go: they are the ones in the class's
 LRU ring (pages.py), so a page that is inflight, pinned by a lease, a load or an SSD write, is never evicted.
 
-The policy is LRU per size class: a hit (a query's lease or a load, once unpinned) or a seal makes a page the most
-recently used; a skipped re-save does not. Evicted pages stay counted as used in their slabs: the allocator
-(slabs.py) reuses them in place for the save that asked, so a page id is never recycled through the slab's free
-list on the way.
+Two policies order each size class's ring (`EVICTION_POLICIES`, `kvseal serve --eviction`); pages leave from its
+least recent end, and a save never evicts pages of hashes it names itself:
+- "lru": a hit (a query's lease or a load, once unpinned) or a seal makes a page the most recently used, in list
+  order: a prompt's last block ends the most recent, its first is evicted first. A re-save of a held block does
+  not refresh it.
+- "tails-first" (the default): the same events, each batch linked in reverse, so that within a batch the prompt's
+  tail is evicted before its head (blocks past a missing one can never hit), and a save naming blocks already
+  held refreshes them (its new blocks end more recent). kvseal.core.policies.TailsFirst is the same order over
+  keys: `kvseal bench hitrate` simulates both, and tests/test_eviction_replay.py checks the store hits what the
+  simulation says, block for block.
+Evicted pages stay counted as used in their slabs: the allocator (slabs.py) reuses them in place for the save that
+asked, so a page id is never recycled through the slab's free list on the way.
 
 `forget(pids)` is the one place a sealed page leaves: the namespace's index, the resident counts, the change log,
 the ring and the page's state (pages.forget). LRU eviction, a slab's drain step and purge all go through it.
@@ -21,17 +29,19 @@ from collections.abc import Collection, Sequence
 from kvseal.core.index import ChangeLog, Namespaces
 from kvseal.core.pages import PageTable
 
+EVICTION_POLICIES = ("tails-first", "lru")  # the first is the default
+
 
 class Eviction:
     def __init__(self, pages: PageTable, namespaces: Namespaces, changes: ChangeLog) -> None:
         self._pages = pages
         self._namespaces = namespaces
         self._changes = changes
-        self.evictions = 0  # pages evicted (by the LRU policy or a slab's drain; not purged ones)
+        self.evictions = 0  # pages evicted (by the policy or a slab's drain; not purged ones)
 
     def evict(self, c: int, n: int, protected: Collection[int] = (), *, reuse: bool = False) -> list[int]:
-        """Evicts exactly n of class c's least recently used pages that are not in `protected` (page ids), least
-        recent first, or none when it has fewer than n (returns [] and changes nothing). The pages come back
+        """Evicts exactly n of class c's least recent pages (in its ring's order) that are not in `protected` (page
+        ids), least recent first, or none when it has fewer than n (returns [] and changes nothing). The pages come back
         FREE, still counted as used in their slabs: the caller reuses them in place or gives them back
         (Slabs.free). `reuse`: the caller opens them at once (pages.forget's `reused`)."""
         victims = self._pages.lru_victims(c, n, protected)

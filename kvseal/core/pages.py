@@ -87,7 +87,11 @@ class PageState:
 
 
 class PageTable:
-    def __init__(self, n_slabs: int) -> None:
+    def __init__(self, n_slabs: int, *, tails_first: bool = False) -> None:
+        """`tails_first`: the ring order of the tails-first policy (eviction.py): a batch that seals or unpins
+        pages links them so that its first page ends the most recent, and `refresh` moves pages up; else LRU in
+        list order (the last page ends the most recent) and nothing refreshes."""
+        self.tails_first = tails_first
         # per page id
         self.offset = array("q")  # byte offset in the arena
         self.slab_of = array("i")  # the slab it was carved from (a sentinel's holds its class)
@@ -257,7 +261,9 @@ class PageTable:
 
     def seal(self, pids: list[int]) -> None:
         """INFLIGHT -> SEALED: pages of one size class (out of the inflight dicts: `end_writes`), each the new most
-        recently used of its class, in list order."""
+        recently used of its class, in list order (tails first: in reverse)."""
+        if self.tails_first:
+            pids = pids[::-1]
         state, slab_of, slab_busy = self.state, self.slab_of, self.slab_busy
         for pid in pids:
             state[pid] = SEALED
@@ -317,9 +323,11 @@ class PageTable:
 
     def unpin(self, pids: Sequence[int]) -> None:
         """Drops one pin of each page (of one size class, as pinned by `pin`). A page left without pins becomes
-        the most recently used of its class, in list order."""
+        the most recently used of its class, in list order (tails first: in reverse)."""
         if not pids:
             return
+        if self.tails_first:
+            pids = pids[::-1]
         pins, slab_busy, slab_of = self.pins, self.slab_busy, self.slab_of
         unpinned = []
         for pid in pids:
@@ -333,6 +341,24 @@ class PageTable:
             self._link_mru(unpinned, c)
             self.pinned_blocks -= len(unpinned)
             self.pinned_bytes -= len(unpinned) * self.class_bytes[c]
+
+    def refresh(self, pids: Sequence[int]) -> None:
+        """Tails first only (else nothing): the listed sealed unpinned pages of one size class (others are
+        skipped) become the most recently used of their class, the first listed ending most recent: a save
+        naming blocks already held (`BlockStore.begin_save`) refreshes them."""
+        if not self.tails_first:
+            return
+        state, pins, prev, nxt = self.state, self.pins, self.prev, self.next
+        moved = [pid for pid in dict.fromkeys(pids) if state[pid] == SEALED and pins[pid] == 0]
+        if not moved:
+            return
+        for pid in moved:
+            p, q = prev[pid], nxt[pid]
+            nxt[p] = q
+            prev[q] = p
+        c = self.slab_class[self.slab_of[moved[0]]]
+        self.lru_len[c] -= len(moved)
+        self._link_mru(moved[::-1], c)
 
     def by_class(self, pids: Sequence[int]) -> list[list[int]]:
         """`pids` cut into runs of one size class each, in order (for pin and unpin, which take one class)."""
@@ -539,6 +565,8 @@ class NativePageTable(PageTable):
 
     def seal(self, pids: list[int]) -> None:
         assert _table is not None
+        if self.tails_first:
+            pids = pids[::-1]
         c = self.slab_class[self.slab_of[pids[0]]]
         _table.seal(self.state, self.prev, self.next, self.slab_busy, self.slab_of, pids, self.sentinel[c])
         if self.refill:
@@ -563,6 +591,8 @@ class NativePageTable(PageTable):
         if not pids:
             return
         assert _table is not None
+        if self.tails_first:
+            pids = pids[::-1]
         c = self.slab_class[self.slab_of[pids[0]]]
         unpinned = _table.unpin(self.pins, self.prev, self.next, self.slab_busy, self.slab_of, pids, self.sentinel[c])
         if unpinned:
@@ -590,14 +620,15 @@ class NativePageTable(PageTable):
         return _table.gather(self.offset, pids)
 
 
-def page_table(n_slabs: int, kind: str | None = None) -> PageTable:
+def page_table(n_slabs: int, kind: str | None = None, *, tails_first: bool = False) -> PageTable:
     """The page table the store uses: `kind` "native" (the C loops; an error when the extension is not built) or
-    "python" (the reference); None reads KVSEAL_TABLE, native when the extension is built, else python."""
+    "python" (the reference); None reads KVSEAL_TABLE, native when the extension is built, else python.
+    `tails_first`: PageTable's."""
     kind = kind or os.environ.get("KVSEAL_TABLE", "") or ("native" if _table is not None else "python")
     if kind == "python":
-        return PageTable(n_slabs)
+        return PageTable(n_slabs, tails_first=tails_first)
     if kind != "native":
         raise ValueError(f"KVSEAL_TABLE must be native or python, not {kind!r}")
     if _table is None:
         raise RuntimeError("the native page table (kvseal/core/_table.c) is not built: pip install -e . builds it")
-    return NativePageTable(n_slabs)
+    return NativePageTable(n_slabs, tails_first=tails_first)

@@ -119,6 +119,27 @@ class LRU:
         return victims
 
 
+class TailsFirst(LRU):
+    """The engine's default order (kvseal.core.eviction, `kvseal serve --eviction tails-first`) over keys: each
+    call touches its keys so that its first key ends the most recent (within a call the tail goes first), and
+    `refresh` touches (a re-save of held blocks). A call does not know the request's other calls (the engine sees
+    a lease's release and a save apart), so a request's new tail ends more recent than its hit prefix: PrefixLRU,
+    which re-touches, is what knowing the request adds. Memory: LRU's."""
+
+    name = "tails-first"
+
+    def hit(self, keys: Sequence[Key]) -> None:
+        move = self._order.move_to_end
+        for key in reversed(keys):
+            move(key)
+
+    def refresh(self, keys: Sequence[Key]) -> None:
+        self.hit(keys)
+
+    def insert(self, keys: Sequence[Key]) -> None:
+        self._order.update(dict.fromkeys(reversed(keys)))
+
+
 class PrefixLRU(LRU):
     """Prefix-aware LRU (the floor the other policies must beat): a request's blocks are touched so that its tail
     is evicted before its head. Each call touches its keys in reverse prompt order (its first key ends most
@@ -371,6 +392,7 @@ class TinyLFU:
 
 POLICIES: dict[str, Callable[[int], Policy]] = {
     "lru": LRU,
+    "tails-first": TailsFirst,
     "prefix-lru": PrefixLRU,
     "prefix-cold": ColdStartLRU,
     "tinylfu": TinyLFU,

@@ -27,7 +27,7 @@ with whatever is free in it.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvseal.core.eviction import Eviction
@@ -101,16 +101,15 @@ class Slabs:
 
     # ---------------------------------------------------------------- allocating and freeing
 
-    def allocate(self, c: int, n: int, budget: int) -> list[int]:
+    def allocate(self, c: int, n: int, budget: int, protected: Collection[int] = ()) -> list[int]:
         """Up to n pages of class c, counted as used in their slabs, for the caller to open at once (evicted ones are
         handed over unwritten: pages.forget's `reused`); fewer only when
         the pool has no more room for the class. In order of preference: free pages of slabs the class holds, free
         slabs, the class's own least recently used pages (evicted and reused in place), whole slabs of other
         classes (emptied, looking at no more than `budget` of their page ids in this call: the rest of a big slab
-        is left to later steps, and fewer pages come back meanwhile)."""
+        is left to later steps, and fewer pages come back meanwhile). Pages in `protected` are not evicted."""
         out: list[int] = []
         partial, capacity, used = self.class_partial[c], self.class_capacity[c], self.slab_used
-        lru_len = self._pages.lru_len
         while len(out) < n:
             if partial:
                 slab = next(iter(partial))
@@ -130,13 +129,20 @@ class Slabs:
                 slab = self.free_slabs.pop()
                 self._pages.slab_class[slab] = c
                 partial[slab] = None
-            elif victims := self._eviction.evict(c, min(n - len(out), lru_len[c]), reuse=True):
+            elif victims := self._eviction.evict(
+                c, min(n - len(out), self._unprotected(c, protected)), protected, reuse=True
+            ):
                 out += victims
             elif budget > 0 and (spent := self.reclaim_for(c, budget)):
                 budget -= spent
             else:
                 break
         return out
+
+    def _unprotected(self, c: int, protected: Collection[int]) -> int:
+        """How many of class c's evictable pages are not in `protected` (pages of class c)."""
+        held = len(self._pages.evictable(list(protected))) if protected else 0
+        return self._pages.lru_len[c] - held
 
     def _carve(self, slab: int, c: int, n: int) -> list[int]:
         """The slab's next n page ids, at the next page offsets."""

@@ -9,8 +9,8 @@ Where each part lives
                  module that writes a page's state, pins or writers
     index.py     namespaces, their sharded block hash -> page id indexes, the change log
     leases.py    leases and their deadlines (the store unpins what an ended lease held)
-    eviction.py  the eviction contract (evict n or nothing), the LRU policy, and `forget`: the one way a sealed
-                 page leaves (LRU eviction, a slab's drain step, purge)
+    eviction.py  the eviction contract (evict n or nothing), the two ring orders (tails-first, lru), and `forget`:
+                 the one way a sealed page leaves (eviction, a slab's drain step, purge)
     slabs.py     the arena's slabs, size classes, carving, emptying a slab for another class in bounded steps
     store.py     BlockStore: the calls the engine makes, two-phase save / refill / load, query, expire
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from itertools import repeat
 
 # besides what it uses, this module hands out the names callers have always imported from it (noqa: F401)
-from kvseal.core.eviction import Eviction
+from kvseal.core.eviction import EVICTION_POLICIES, Eviction
 from kvseal.core.index import (  # noqa: F401
     INDEX_SHARDS,
     BlockIndex,
@@ -137,10 +137,14 @@ class BlockStore:
         lease_ttl_s: float = 30.0,
         reclaim_step_pages: int = RECLAIM_STEP_PAGES,
         table: str | None = None,
+        eviction: str = EVICTION_POLICIES[0],
     ) -> None:
         """`reclaim_step_pages`: the most page ids one call looks at while emptying a slab for another class;
         `table`: "native" (the page table's loops and the namespaces' indexes in C) or "python" (the reference);
-        None: KVSEAL_TABLE, else native when the extension is built (pages.page_table)."""
+        None: KVSEAL_TABLE, else native when the extension is built (pages.page_table); `eviction`: one of
+        eviction.EVICTION_POLICIES."""
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, not {eviction!r}")
         if reclaim_step_pages < 1:
             raise ValueError(f"reclaim_step_pages must be >= 1, got {reclaim_step_pages}")
         slab_bytes = min(slab_bytes, arena_bytes) // PAGE_ALIGN * PAGE_ALIGN
@@ -155,7 +159,8 @@ class BlockStore:
         self.lease_ttl_s = lease_ttl_s
         self.reclaim_step_pages = reclaim_step_pages
 
-        self._pages = page_table(self.n_slabs, table)
+        self.eviction = eviction
+        self._pages = page_table(self.n_slabs, table, tails_first=eviction == "tails-first")
         self.table = "native" if isinstance(self._pages, NativePageTable) else "python"
         self._namespaces = Namespaces(native=self.table == "native")
         self._changes = ChangeLog()
@@ -203,12 +208,13 @@ class BlockStore:
             self._open(ns, ns_id, hashes[: len(pids)], pids, writers=1)
             offsets = self._pages.offsets(pids)
             return SavePlan(ns_id, cell_mask, list(range(len(pids))), pids, offsets, 0, n - len(pids))
+        held = [pid for pid in found if pid is not None]  # sealed ones: a re-save; none is evicted to make room
+        self._pages.refresh(held)
         while None in found:
             new = list(dict.fromkeys(h for h, pid in zip(hashes, found, strict=True) if pid is None))
-            pids = allocate(c, len(new), budget)
+            pids = allocate(c, len(new), budget, held)
             self._open(ns, ns_id, new[: len(pids)], pids)
-            # None is left for hashes the pool had no room for, and for sealed hashes of this request whose pages
-            # were just evicted to make that room (they are stored again, like any new hash)
+            # None is left for hashes the pool had no room for
             found = lookup(hashes)
             if len(pids) < len(new):
                 break

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from itertools import chain
 from typing import Any
 
+from kvseal.core.eviction import EVICTION_POLICIES
 from kvseal.core.layout import (
     LayoutDifference,
     SealedInstance,
@@ -96,11 +97,13 @@ class Engine:
         prefault: bool = True,
         lease_ttl_s: float = 30.0,
         inflight_timeout_s: float = 60.0,
+        eviction: str = EVICTION_POLICIES[0],
         clock: Callable[[], float] = time.monotonic,
         ssd: Tier | None = None,
         max_mapped_per_uid: int = 0,
     ) -> None:
-        """`ssd`: an opened SSD tier; sealed blocks are written through to it and queries continue from it.
+        """`eviction`: the pool's policy (kvseal.core.eviction.EVICTION_POLICIES). `ssd`: an opened SSD tier;
+        sealed blocks are written through to it and queries continue from it.
         `max_mapped_per_uid`: bytes of their memfds that the workers of one uid may have the engine map and fault in
         at once (0: no cap); the engine's own user and root are not capped."""
         self.store = BlockStore(
@@ -109,6 +112,7 @@ class Engine:
             clock=clock,
             lease_ttl_s=lease_ttl_s,
             inflight_timeout_s=inflight_timeout_s,
+            eviction=eviction,
         )
         self.arena = Arena(self.store.arena_bytes, prefault=prefault)
         self.counters = EngineCounters()

@@ -334,6 +334,7 @@ def _allocate_engine(cfg: ServeConfig, ssd: DiskTier | None = None) -> Engine:
             prefault=cfg.prefault,
             lease_ttl_s=cfg.lease_ttl_s,
             inflight_timeout_s=cfg.inflight_timeout_s,
+            eviction=cfg.eviction,
             ssd=ssd,
             max_mapped_per_uid=mapped_per_uid_cap(cfg),
         )

@@ -9,6 +9,7 @@ import stat
 from dataclasses import dataclass
 
 from kvseal.auth import is_loopback
+from kvseal.core.eviction import EVICTION_POLICIES
 from kvseal.core.store import PAGE_ALIGN
 from kvseal.errors import ConfigError
 from kvseal.ssd.device import SEGMENT_NAME
@@ -23,6 +24,7 @@ class ServeConfig:
     slab_bytes: int = 64 << 20
     lease_ttl_s: float = 30.0
     inflight_timeout_s: float = 60.0
+    eviction: str = EVICTION_POLICIES[0]
     allow_remote: bool = False
     token: str | None = None
     max_workers: int = 128
