@@ -1,13 +1,14 @@
 """The `kvseal` command: `kvseal serve` runs the engine; `kvseal namespaces` shows (or purges) what it holds;
 `kvseal ssd inspect` reads an SSD tier directory offline; `kvseal bench NAME` runs a benchmark of kvseal/bench
-(engine, ssd, peer, cuda, store_ops, vllm_ttft, hybrid, pd, mooncake)."""
+(engine, ssd, peer, cuda, store_ops, vllm_ttft, hybrid, pd, mooncake). The servers read --config FILE (TOML);
+`kvseal config print` shows the configuration they run with."""
 
 from __future__ import annotations
 
 import argparse
 
 import kvseal
-from kvseal.cli import bench, inventory, serve, servers
+from kvseal.cli import bench, config_file, inventory, serve, servers
 from kvseal.cli.parsing import Parser, parse_size
 from kvseal.cli.serve import serve_config
 from kvseal.cli.servers import router_config
@@ -26,6 +27,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     servers.add_metaserver_parser(sub)
     servers.add_router_parser(sub)
     inventory.add_ssd_parser(sub)
+    config_file.add_parsers(sub)  # --config of the servers, `kvseal config print`
     return parser, serve_parser
 
 
@@ -38,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parses and checks the command line; a bad value exits with status 2 and one line naming the flag."""
     parser, serve_parser = _parsers()
     args = parser.parse_args(argv)
+    config_file.apply(parser, args, argv)  # --config FILE's values, under the flags given (then checked below)
     if args.command == "metaserver":
         servers.check_metaserver_args(parser, args)
     if args.command == "router":
@@ -61,4 +64,6 @@ def main(argv: list[str] | None = None) -> int:
         return servers.run_router(args)
     if args.command == "ssd":
         return inventory.run_ssd(args)
+    if args.command == "config":
+        return config_file.run(args)
     return bench.run(args)
