@@ -101,3 +101,34 @@ def test_any_trace_hits_as_simulated(trace: list[list[bytes]], capacity: int, ev
     expected = simulated(trace, capacity, eviction)
     for table in TABLES:
         assert replay(trace, capacity, eviction, table) == expected, table
+
+
+@pytest.mark.parametrize("eviction", EVICTION_POLICIES)
+def test_the_stores_what_if_estimates_follow_the_simulation_of_larger_pools(eviction: str) -> None:
+    """A namespace's what-if hit ratios (kvseal.core.ghost, fed by the store's queries, evictions and saves) are
+    within 0.01 of the simulation of its policy with 2x and 4x the pool and with no eviction; the actual ratio is
+    exact."""
+    capacity = round(DISTINCT * 0.15)
+    store = BlockStore(capacity * PAGE, slab_bytes=capacity * PAGE, eviction=eviction)
+    ns = store.namespace("m.x", LAYOUT)
+    for request in MIXED:
+        lease = store.query(ns, LAYOUT, list(request), "inst", 1)
+        if lease.lease_id:
+            store.release(lease.lease_id, "inst")
+        if rest := list(request[lease.hits :]):
+            store.finish_save(store.begin_save(ns, LAYOUT, rest, 1), ok=True)
+    [(record, _)] = store.namespace_stats()
+    got = record.what_if.estimates()
+    lookups = sum(map(len, MIXED))
+
+    def ratio(pages: int) -> float:
+        return sum(simulated(MIXED, pages, eviction)) / lookups
+
+    assert got.ratio == pytest.approx(ratio(capacity), abs=1e-12)
+    for estimate, pages in (
+        (got.ratio_2x, 2 * capacity),
+        (got.ratio_4x, 4 * capacity),
+        (got.ratio_unbounded, DISTINCT),
+    ):
+        assert estimate == pytest.approx(ratio(pages), abs=0.01), pages
+    assert got.ratio < got.ratio_2x < got.ratio_4x <= got.ratio_unbounded

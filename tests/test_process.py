@@ -329,6 +329,7 @@ def test_http_views_and_metrics(engine: EngineProcess, spawn: Callable[..., list
         "misses": int,
         "refused": dict,
         "last_used": (int, float),
+        "what_if": dict,
     }
     for key, kind in expected_types.items():
         assert isinstance(ns[key], kind), (key, ns)
@@ -339,6 +340,12 @@ def test_http_views_and_metrics(engine: EngineProcess, spawn: Callable[..., list
     assert (ns["resident_blocks"], ns["resident_bytes"]) == (4, 4 * status.page_bytes)
     assert (ns["hits"], ns["misses"], ns["refused"]) == (4, 2, {})
     assert ns["last_used"] > 0
+    # nothing evicted: a larger pool would hit the same 4 of 6; the 2 misses are 2 distinct blocks
+    what_if = ns["what_if"]
+    assert what_if.pop("distinct_blocks") == 2 and what_if.pop("ghost_blocks") == 0
+    assert what_if == pytest.approx(
+        {"hit_ratio": 4 / 6, "hit_ratio_2x": 4 / 6, "hit_ratio_4x": 4 / 6, "hit_ratio_unbounded": 4 / 6}
+    )
 
     text = engine.metrics_text()
     for name in ("kvseal_resident_blocks", "kvseal_pool_free_bytes", "kvseal_hits_total", "kvseal_rpc_seconds"):
@@ -346,6 +353,11 @@ def test_http_views_and_metrics(engine: EngineProcess, spawn: Callable[..., list
     assert engine.metric("kvseal_resident_blocks") == 4
     assert engine.metric("kvseal_hits_total", namespace=status.namespace_final) == 4
     assert engine.metric("kvseal_misses_total", namespace=status.namespace_final) == 2
+    for pool in ("1x", "2x", "4x", "unbounded"):
+        assert engine.metric("kvseal_what_if_hit_ratio", namespace=status.namespace_final, pool=pool) == pytest.approx(
+            4 / 6
+        )
+    assert engine.metric("kvseal_distinct_blocks", namespace=status.namespace_final) == 2
     assert engine.metric("kvseal_pool_free_bytes") == engine.metric("kvseal_pool_bytes") - 4 * status.page_bytes
     # the worker's client saves over the local lane
     assert engine.metric("kvseal_rpc_seconds_count", method="lane.Save", code="OK") == 1

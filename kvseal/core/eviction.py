@@ -63,10 +63,17 @@ class Eviction:
         ns_of, hash_of = pages.ns_of, pages.block_hash
         counts = Counter(map(ns_of.__getitem__, pids))
         if len(counts) == 1:  # mostly: one namespace, whose index drops them all in one map()
-            records[ns_of[pids[0]]].index.remove(list(map(hash_of.__getitem__, pids)))  # type: ignore[arg-type]
+            record = records[ns_of[pids[0]]]
+            hashes: list[bytes] = list(map(hash_of.__getitem__, pids))  # type: ignore[arg-type]
+            record.index.remove(hashes)
+            if evicted:
+                record.what_if.evicted(hashes)
         else:
             for pid in pids:
                 del records[ns_of[pid]].index[hash_of[pid]]  # type: ignore[arg-type]
+            if evicted:
+                for pid in pids:
+                    records[ns_of[pid]].what_if.evicted((hash_of[pid],))  # type: ignore[arg-type]
         for ns_id, count in counts.items():
             self._namespaces.count_resident(ns_id, -count)
         self._changes.record(False, map(ns_of.__getitem__, pids), map(hash_of.__getitem__, pids))

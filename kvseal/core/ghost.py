@@ -54,6 +54,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 
 def _digest(key: bytes) -> bytes:
     """At least 16 uniformly random bytes for `key`: the key itself when it is a hash of 16 bytes or more (block
@@ -96,6 +98,22 @@ class HyperLogLog:
     def add(self, key: bytes) -> None:
         """Counts `key` (bytes 8..16 of a hash key, the ghost using the first 8; a short key is hashed first)."""
         self.add_word(int.from_bytes(_digest(key)[8:16], "little"))
+
+    def add_keys(self, keys: Sequence[bytes]) -> None:
+        """Counts every key as `add` does: in one numpy pass when `keys` is a hash array of at least 16 bytes per
+        key (as kvseal.wire.lane.HashArray: n keys of `size` bytes back to back in `buffer` from `offset`), so
+        that a lane query's misses cost no Python per block; else key by key."""
+        buffer, size = getattr(keys, "buffer", None), getattr(keys, "size", 0)
+        if buffer is None or not isinstance(size, int) or size < 16 or len(keys) < 8:
+            for key in keys:
+                self.add(key)
+            return
+        offset = int(getattr(keys, "offset", 0))
+        words = np.ndarray((len(keys),), "<u8", buffer, offset + 8, (size,))  # each key's bytes 8..16
+        high = (words >> np.uint64(self._p)).astype(np.float64)  # below 2^52: exact
+        rank = self._width + 1 - np.frexp(high)[1]  # frexp's exponent is the bit length (0 for 0)
+        registers = np.frombuffer(self._registers, np.uint8)
+        np.maximum.at(registers, (words & np.uint64(self._mask)).astype(np.intp), rank.astype(np.uint8))
 
     def estimate(self) -> float:
         """The distinct words counted, estimated."""
@@ -175,9 +193,7 @@ class WhatIf:
         hit = min(max(hit, 0), n)
         self._lookups += n
         self._hits += hit
-        add = self._distinct.add
-        for key in keys[hit:]:
-            add(key)
+        self._distinct.add_keys(keys[hit:])
         near, far = self._near, self._far
         i = hit
         while i < n:
@@ -211,6 +227,8 @@ class WhatIf:
     def stored(self, keys: Iterable[bytes]) -> None:
         """Blocks the pool just stored: they leave the ghost (they are resident again)."""
         near, far = self._near, self._far
+        if not near and not far:  # nothing evicted yet, or all of it stored again
+            return
         for key in keys:
             fp = _fingerprint(key)
             if fp in near:

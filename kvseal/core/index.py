@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvseal.core.ghost import WhatIf
 from kvseal.core.layout import Layout
 from kvseal.core.pages import INFLIGHT, SEALED, PageTable
 
@@ -102,6 +103,7 @@ class Namespace:
     misses: int = 0
     refused: Counter[str] = field(default_factory=Counter)
     last_used: float = 0.0  # wall clock (unix seconds)
+    what_if: WhatIf = field(default_factory=lambda: WhatIf(0), repr=False)  # its hit ratio with a larger pool
 
 
 NamespaceStats = Namespace  # the record's former name

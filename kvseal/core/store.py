@@ -246,6 +246,9 @@ class BlockStore:
             hash_of = self._pages.block_hash
             self._changes.record(True, repeat(ns_id), map(hash_of.__getitem__, complete))
             self._namespaces.count_resident(ns_id, len(complete))
+            what_if = self._namespaces[ns_id].what_if
+            if len(what_if):  # blocks evicted before are resident again
+                what_if.stored([hash_of[pid] for pid in complete])  # type: ignore[misc]  # sealed: a hash each
         return complete
 
     def _discard(self, pids: list[int]) -> None:
@@ -304,11 +307,26 @@ class BlockStore:
         if count:
             ns.hits += len(pages)
             ns.misses += len(hashes) - len(pages)
+            self._observe(ns, hashes, len(pages))
         if not pages:
             return PinnedPrefix(0, 0)
         deadline = self._clock() + (self.lease_ttl_s if ttl_s is None else ttl_s)
         self._pages.pin(pages)
         return PinnedPrefix(len(pages), self._leases.open(owner, tuple(pages), shares, deadline))
+
+    def _observe(self, ns: Namespace, hashes: Sequence[bytes], hit: int) -> None:
+        """A counted query, for the namespace's what-if estimates (kvseal.core.ghost), whose capacity follows the
+        namespace's resident blocks (re-split when they moved by more than an eighth)."""
+        what_if, resident = ns.what_if, ns.resident_blocks
+        if abs(resident - what_if.capacity) * 8 > what_if.capacity:
+            what_if.resize(resident)
+        index, state = ns.index, self._pages.state
+
+        def held(key: bytes) -> bool:
+            pid = index.get(key)
+            return pid is not None and state[pid] == SEALED
+
+        what_if.observe(hashes, hit, held)
 
     def resident(self, ns_id: int, layout: Layout, hashes: Sequence[bytes]) -> list[int | None]:
         """Per hash, the page holding it sealed in the namespace, or None (a hybrid query's presence, anywhere in

@@ -12,6 +12,15 @@ from kvseal.core.store import BlockStore
 from kvseal.errors import NotFound, quote
 from kvseal.ssd.tier import NamespaceKey, Tier
 
+NO_WHAT_IF = {
+    "hit_ratio": 0.0,
+    "hit_ratio_2x": 0.0,
+    "hit_ratio_4x": 0.0,
+    "hit_ratio_unbounded": 0.0,
+    "distinct_blocks": 0,
+    "ghost_blocks": 0,
+}  # a namespace on SSD only: nothing asked of it since the engine started
+
 
 def namespace_views(store: BlockStore, ssd: Tier) -> list[dict[str, Any]]:
     """One entry per (user, final namespace) held in memory or on SSD."""
@@ -20,6 +29,7 @@ def namespace_views(store: BlockStore, ssd: Tier) -> list[dict[str, Any]]:
     for ns, layout in store.namespace_stats():
         key = (ns.tenant, ns.namespace_final)
         ssd_blocks, ssd_bytes, _ = on_ssd.pop(key, (0, 0, b""))
+        what_if = ns.what_if.estimates()
         out.append(
             namespace_view(key, layout)
             | {
@@ -31,6 +41,14 @@ def namespace_views(store: BlockStore, ssd: Tier) -> list[dict[str, Any]]:
                 "misses": ns.misses,
                 "refused": dict(ns.refused),
                 "last_used": ns.last_used,
+                "what_if": {
+                    "hit_ratio": what_if.ratio,
+                    "hit_ratio_2x": what_if.ratio_2x,
+                    "hit_ratio_4x": what_if.ratio_4x,
+                    "hit_ratio_unbounded": what_if.ratio_unbounded,
+                    "distinct_blocks": round(what_if.distinct_estimate),
+                    "ghost_blocks": len(ns.what_if),
+                },
             }
         )
     for key, (ssd_blocks, ssd_bytes, descriptor) in on_ssd.items():  # on SSD only (e.g. after a restart)
@@ -47,6 +65,7 @@ def namespace_views(store: BlockStore, ssd: Tier) -> list[dict[str, Any]]:
                 "misses": 0,
                 "refused": {},
                 "last_used": 0.0,
+                "what_if": dict(NO_WHAT_IF),
             }
         )
     return out

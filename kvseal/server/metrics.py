@@ -54,15 +54,32 @@ class _EngineCollector(Collector):
         hits = CounterMetricFamily("kvseal_hits", "Blocks found by queries", labels=labels)
         misses = CounterMetricFamily("kvseal_misses", "Blocks queried and not found", labels=labels)
         refusals = CounterMetricFamily("kvseal_refusals", "Loads refused, by reason", labels=[*labels, "reason"])
+        what_if = GaugeMetricFamily(
+            "kvseal_what_if_hit_ratio",
+            "Hit ratio of the namespace's queries in memory since start: as it is (pool=1x) and, estimated, with 2x "
+            "and 4x the blocks it holds and with no eviction (pool=unbounded)",
+            labels=[*labels, "pool"],
+        )
+        distinct = GaugeMetricFamily(
+            "kvseal_distinct_blocks",
+            "Distinct blocks the namespace's queries missed since start, estimated",
+            labels=labels,
+        )
         for ns in self.engine.namespaces():
             key = [ns["namespace"], str(ns["uid"])]
             hits.add_metric(key, ns["hits"])
             misses.add_metric(key, ns["misses"])
             for reason, n in ns["refused"].items():
                 refusals.add_metric([*key, reason], n)
+            w = ns["what_if"]
+            for pool, field in (("1x", ""), ("2x", "_2x"), ("4x", "_4x"), ("unbounded", "_unbounded")):
+                what_if.add_metric([*key, pool], w["hit_ratio" + field])
+            distinct.add_metric(key, w["distinct_blocks"])
         yield hits
         yield misses
         yield refusals
+        yield what_if
+        yield distinct
         yield CounterMetricFamily("kvseal_save_bytes", "Bytes copied into the pool by saves", value=c.save_bytes)
         yield CounterMetricFamily("kvseal_save_seconds", "Seconds spent copying saves", value=c.save_seconds)
         yield CounterMetricFamily("kvseal_load_bytes", "Bytes copied out of the pool by loads", value=c.load_bytes)
