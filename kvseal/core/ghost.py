@@ -1,6 +1,7 @@
 """What-if hit ratios for one namespace: the hit ratio it would have had with 2x and 4x its pool, and with no
 eviction at all, estimated online from the requests it sees and the blocks its pool evicts and stores (`WhatIf`),
-for /metrics. Pure: no I/O, no locks, not thread-safe (the engine calls it under its lock).
+for /metrics and /v1/namespaces. Pure: no I/O, no locks, not thread-safe (the store feeds each namespace's under
+the engine's lock: counted queries, evictions, sealed saves).
 
 The caller calls, per request: `observe(keys, hit)` at lookup (the request's block hashes in prompt order and its
 actual hit, the leading resident blocks), then `evicted(victims)` for the blocks the pool evicts (in eviction
@@ -16,10 +17,11 @@ that hit h blocks would have hit, at 2x, h plus the next blocks while each is in
 the pool now: a block held now is held by the larger pool too, and a hash chain only hits up to its first miss.
 At 4x, `far` counts as well. So hit <= hit_2x <= hit_4x per request: the ratios are monotone by construction.
 
-This is exact for a pool that evicts a pure LRU stack, given `held`. The engine's LRU is nearly one: a resident
-block past a request's first miss is not touched (a skipped re-save), so that block is older at C than it would
-be at kC, and the larger pools would evict a little differently; tests/test_ghost.py measures the error against
-the offline simulator (kvseal.bench.hitsim with LRU at 2C and 4C). `resize` keeps the ghost's order and
+This is exact for a pool that evicts a pure LRU stack, given `held`. The engine's policies are nearly one: under
+"lru" a resident block past a request's first miss is not touched (a skipped re-save), so that block is older at C
+than it would be at kC, and "tails-first" orders each batch in reverse, so the larger pools would evict a little
+differently; tests/test_ghost.py measures the error against the offline simulator (kvseal.bench.hitsim with LRU
+at 2C and 4C), tests/test_eviction_replay.py the store's against each policy's simulation. `resize` keeps the ghost's order and
 re-splits it for the new capacity: the blocks the old pool evicted are then ranked against the new one.
 
 Ghost entries are 8-byte fingerprints of the block hashes (their first 8 bytes as an int): block hashes are
