@@ -21,8 +21,9 @@ This is exact for a pool that evicts a pure LRU stack, given `held`. The engine'
 "lru" a resident block past a request's first miss is not touched (a skipped re-save), so that block is older at C
 than it would be at kC, and "tails-first" orders each batch in reverse, so the larger pools would evict a little
 differently; tests/test_ghost.py measures the error against the offline simulator (kvseal.bench.hitsim with LRU
-at 2C and 4C), tests/test_eviction_replay.py the store's against each policy's simulation. `resize` keeps the ghost's order and
-re-splits it for the new capacity: the blocks the old pool evicted are then ranked against the new one.
+at 2C and 4C), tests/test_eviction_replay.py the store's against each policy's simulation. `resize` keeps the
+ghost's order and re-splits it for the new capacity: the blocks the old pool evicted are then ranked against the
+new one.
 
 Ghost entries are 8-byte fingerprints of the block hashes (their first 8 bytes as an int): block hashes are
 already uniformly random (blake2b / sha256 chains), so no further hashing is needed, and a false match among
