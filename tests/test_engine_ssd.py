@@ -132,6 +132,50 @@ def test_a_prefix_that_continues_on_ssd_loads_as_one_hit(device: MemoryDevice, n
     assert np.array_equal(node.load(hs, q.lease_id), saved)
 
 
+def test_a_block_hit_on_ssd_outlives_its_segment_and_a_restart(device: MemoryDevice, nodes: list[Node]) -> None:
+    """Second chance: blocks read from SSD while their segment is in the older half of the log are written again,
+    so the log's FIFO reclaim keeps them (and a restart finds their newest records); blocks written beside them and
+    never hit go with their segment. The device holds 32 segments of about 60 blocks."""
+    node = Node(device)
+    nodes.append(node)
+    hit, cold = hashes("hit", 8), hashes("cold", 8)
+    saved = node.kv[:8].copy()
+    node.save(hit)
+    node.save(cold)
+
+    def fill(tag: str, segments: int) -> None:  # about `segments` segments of other blocks, which the pool evicts
+        for i in range(segments):
+            node.save(hashes(f"{tag}{i}-", BLOCKS))
+
+    fill("young", 10)
+    q, loading = node.query(hit)
+    assert loading and q.hits == 8  # from SSD, but the segment is young: nothing to write again
+    node.engine.release("w", q.lease_id, SESSION.caller)
+    node.tier.flush()
+    assert node.tier.statistics().reinserted == 0
+    fill("old", 10)  # the pool no longer holds `hit`; its segment is now in the older half
+    q, loading = node.query(hit)
+    assert loading and q.hits == 8
+    node.engine.release("w", q.lease_id, SESSION.caller)
+    node.tier.flush()
+    assert node.tier.statistics().reinserted == 8
+    fill("late", 16)  # the first segments are reclaimed
+    s = node.tier.statistics()
+    assert s.segments < 32 and s.skipped == 0
+    q, loading = node.query(hit)
+    assert loading and q.hits == 8 and np.array_equal(node.load(hit, q.lease_id), saved)
+    assert node.query(cold)[0].hits == 0  # never hit: gone with its segment
+    node.close()
+    nodes.remove(node)
+
+    again = Node(device, seed=99)
+    nodes.append(again)
+    q, loading = again.query(hit)
+    assert loading and q.hits == 8 and np.array_equal(again.load(hit, q.lease_id), saved)
+    assert again.query(cold)[0].hits == 0
+    again.engine.store.check_invariants()
+
+
 def test_a_bad_record_ends_the_prefix_before_it(device: MemoryDevice, nodes: list[Node]) -> None:
     first = Node(device)
     nodes.append(first)

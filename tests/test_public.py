@@ -5,13 +5,18 @@ on purpose."""
 from __future__ import annotations
 
 import importlib
-import tomllib
+import sys
 import types
 import warnings
 from pathlib import Path
 
 import kvseal.client
 import kvseal.testing
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the tomli backport, a dependency on 3.10
+    import tomli as tomllib
 
 CLIENT = {
     "BlockRun",

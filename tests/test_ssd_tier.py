@@ -449,7 +449,7 @@ def test_the_index_finds_a_namespace_by_an_older_stored_name() -> None:
     assert index.alias((7, current), BASE.descriptor, BASE, current) is ns and index.stored(7, current) is ns
 
 
-TIER_METHODS = ("prefix", "holds", "absent", "write", "read", "namespaces", "purge", "statistics", "close")
+TIER_METHODS = ("prefix", "holds", "absent", "aging", "write", "read", "namespaces", "purge", "statistics", "close")
 
 
 @pytest.mark.parametrize("implementation", [DiskTier, NullTier])
@@ -464,7 +464,7 @@ def test_the_null_tier_holds_nothing_and_takes_nothing() -> None:
     tier: Tier = NullTier()
     hs = hashes("null", 3)
     assert tier.prefix(key(BASE), hs) == 0
-    assert tier.absent(key(BASE), hs) == []  # nothing to write, so nothing to pin
+    assert tier.absent(key(BASE), hs) == [] and tier.aging(key(BASE), hs) == []  # nothing to write, nor to pin
     assert tier.holds(key(BASE), hs) == [False] * 3
     done: list[bool] = []
     items = [WriteItem(h, memoryview(page(BASE, h))) for h in hs]

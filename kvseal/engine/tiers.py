@@ -117,23 +117,25 @@ class Tiers:
 
     # ---------------------------------------------------------------- write-through
 
-    def write_through(self, key: NamespaceKey, layout: Layout, pages: list[int]) -> None:
-        """Hands freshly sealed pages the SSD does not hold to its writers, pinned until written. Under the lock."""
+    def write_through(self, key: NamespaceKey, layout: Layout, pages: list[int], *, reinsert: bool = False) -> None:
+        """Hands freshly sealed pages the SSD does not hold to its writers, pinned until written; `reinsert`: pages
+        just read from SSD whose records are aging (Tier.aging), written again so that a block hit on SSD
+        outlives the segment it was in (second chance, instead of the log's FIFO). Under the lock."""
         if not pages:
             return
         hashes = self.store.page_hashes(pages)
-        absent = self.ssd.absent(key, hashes)
-        if not absent:
+        chosen = self.ssd.aging(key, hashes) if reinsert else self.ssd.absent(key, hashes)
+        if not chosen:
             return
-        pages = [pages[i] for i in absent]
+        pages = [pages[i] for i in chosen]
         self.store.pin_pages(pages)
-        items = [WriteItem(hashes[i], self.page_view(pid, layout)) for i, pid in zip(absent, pages, strict=True)]
+        items = [WriteItem(hashes[i], self.page_view(pid, layout)) for i, pid in zip(chosen, pages, strict=True)]
 
         def written(ok: bool) -> None:
             with self._lock:
                 self.store.unpin_pages(pages)
 
-        if not self.ssd.write(key, layout, items, written):
+        if not self.ssd.write(key, layout, items, written, reinsert=reinsert):
             self.store.unpin_pages(pages)
 
     # ---------------------------------------------------------------- where a miss continues
@@ -202,13 +204,12 @@ class Tiers:
         self, key: NamespaceKey, layout: Layout, plan: SavePlan, good: Sequence[bool], *, new: bool = False
     ) -> None:
         """Seals the refill's pages that passed every check, drops the others. `new`: the blocks came from
-        elsewhere than this node's SSD, which they are written through to."""
+        elsewhere than this node's SSD, which they are written through to; else those aging there are reinserted."""
         kept, dropped = self.store.split_plan(plan, good)
         with self._lock:
             sealed = self.store.finish_refill(kept, ok=True)
             self.store.finish_refill(dropped, ok=False)
-            if new:
-                self.write_through(key, layout, sealed)
+            self.write_through(key, layout, sealed, reinsert=not new)
 
     # ---------------------------------------------------------------- from SSD
 

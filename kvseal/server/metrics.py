@@ -122,6 +122,11 @@ def _ssd_metrics(t: TierStatistics) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "kvseal_ssd_skipped", "Sealed blocks not written to SSD (queues full, no device left)", value=t.skipped
     )
+    yield CounterMetricFamily(
+        "kvseal_ssd_reinserted",
+        "Blocks read from SSD in the older half of the log, written again so that they outlive their segment",
+        value=t.reinserted,
+    )
     failures = CounterMetricFamily(
         "kvseal_ssd_verify_failures", "Records that failed their checks on read, by reason", labels=["reason"]
     )

@@ -23,7 +23,18 @@ class NullTier:
         """None: it takes no block, so there is nothing to write (nor to pin for a write)."""
         return []
 
-    def write(self, key: NamespaceKey, layout: Layout, items: list[WriteItem], done: Callable[[bool], None]) -> bool:
+    def aging(self, key: NamespaceKey, hashes: Sequence[bytes]) -> list[int]:
+        return []
+
+    def write(
+        self,
+        key: NamespaceKey,
+        layout: Layout,
+        items: list[WriteItem],
+        done: Callable[[bool], None],
+        *,
+        reinsert: bool = False,
+    ) -> bool:
         """Takes nothing: False, and `done` is never called (the Tier contract for blocks not taken)."""
         return False
 
@@ -56,6 +67,7 @@ class NullTier:
             read_bytes=0,
             read_seconds=0.0,
             skipped=0,
+            reinserted=0,
             verify_failures={},
             failed_devices={},
             direct=False,

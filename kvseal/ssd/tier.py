@@ -33,7 +33,7 @@ from typing import Protocol
 from kvseal.core.layout import Layout
 from kvseal.ssd import format as fmt
 from kvseal.ssd.device import Device
-from kvseal.ssd.index import BlockIndex, NamespaceKey
+from kvseal.ssd.index import BlockIndex, NamespaceKey, unlocate
 from kvseal.ssd.reader import BlockReader
 from kvseal.ssd.recovery import RECOVERY_MODES, RecoveryReport, recover
 from kvseal.ssd.writer import WRITE_DEPTH, SegmentWriter, WriteItem, WriteJob
@@ -64,6 +64,7 @@ class TierStatistics:
     read_bytes: int
     read_seconds: float
     skipped: int  # blocks not written: queues full or no device left to write
+    reinserted: int  # blocks hit on SSD in the older half of the log, taken to be written again (Tier.aging)
     verify_failures: dict[str, int]
     failed_devices: dict[str, str]  # device name -> the error that took it out of the write rotation
     direct: bool
@@ -88,11 +89,25 @@ class Tier(Protocol):
         only these (the no-op tier takes none)."""
         ...
 
-    def write(self, key: NamespaceKey, layout: Layout, items: list[WriteItem], done: Callable[[bool], None]) -> bool:
+    def aging(self, key: NamespaceKey, hashes: Sequence[bytes]) -> list[int]:
+        """Positions of the `hashes` the tier holds in the older half of their device's log: the next reclaims
+        drop them unless they are written again (a block read from SSD is: `write(..., reinsert=True)`)."""
+        ...
+
+    def write(
+        self,
+        key: NamespaceKey,
+        layout: Layout,
+        items: list[WriteItem],
+        done: Callable[[bool], None],
+        *,
+        reinsert: bool = False,
+    ) -> bool:
         """Takes blocks of one namespace for writing. True: `done(ok)` is called exactly once, later, from another
         thread (never from within `write`, so the caller may hold a lock that `done` takes), once they are written
         (ok) or given up; the caller keeps the items' pages unchanged until then. False: they were not taken and
-        `done` is never called."""
+        `done` is never called. `reinsert`: blocks the tier holds, written again (counted as reinserted); a block
+        written again moves to its new record."""
         ...
 
     def read(
@@ -152,6 +167,7 @@ class DiskTier:
         self._reader = BlockReader(self._devices, lock=self._lock, index=self._index, threads=read_threads)
         self._turn = 0
         self._skipped = 0  # blocks refused at once: no device could take them
+        self._reinserted = 0  # blocks taken to be written again (`aging`)
         self._write_collisions = 0  # blocks refused: their layout collides with the namespace's on the devices
         self._closed = False
 
@@ -219,11 +235,37 @@ class DiskTier:
                     log.error("ssd %s: purge of %s not noted (a restart brings it back): %s", device.name, name, e)
         return n
 
+    def aging(self, key: NamespaceKey, hashes: Sequence[bytes]) -> list[int]:
+        """Positions of the held `hashes` whose record is in the older half of its device's segments (by sequence
+        number: at least half the device's segments were started after it): second chance for blocks hit on SSD,
+        which the engine writes again instead of letting the log's FIFO reclaim drop them."""
+        with self._lock:
+            ns = self._index.get(key)
+            if ns is None:
+                return []
+            newest = {w.number: w.next_seq - 1 - w.device.max_segments // 2 for w in self._writers}
+            out = []
+            for i, block_hash in enumerate(hashes):
+                loc = ns.blocks.get(block_hash)
+                if loc is not None:
+                    device, seq, _ = unlocate(loc)
+                    if seq <= newest[device]:
+                        out.append(i)
+            return out
+
     # ------------------------------------------------------------------ write and read
 
-    def write(self, key: NamespaceKey, layout: Layout, items: list[WriteItem], done: Callable[[bool], None]) -> bool:
+    def write(
+        self,
+        key: NamespaceKey,
+        layout: Layout,
+        items: list[WriteItem],
+        done: Callable[[bool], None],
+        *,
+        reinsert: bool = False,
+    ) -> bool:
         """Queues blocks of one namespace for a device; `done(ok)` is called from a writer thread once they are
-        written (ok) or given up. False (and no call of `done`) when no device can take them now."""
+        written (ok) or given up. False (and no call of `done`) when no device can take them now. `reinsert`: Tier's."""
         nbytes = len(items) * layout.page_bytes
         with self._lock:
             ns = self._index.namespace_for(key, layout)
@@ -236,6 +278,8 @@ class DiskTier:
                 writer = self._writers[self._turn % len(self._writers)]
                 self._turn += 1
                 if writer.offer(job, share):
+                    if reinsert:
+                        self._reinserted += len(items)
                     return True
             self._skipped += len(items)
             return False
@@ -282,6 +326,7 @@ class DiskTier:
                 read_bytes=self._reader.read_bytes,
                 read_seconds=self._reader.read_seconds,
                 skipped=self._skipped + sum(w.skipped for w in self._writers),
+                reinserted=self._reinserted,
                 verify_failures=dict(failures),
                 failed_devices={w.device.name: w.failed for w in self._writers if w.failed},
                 direct=all(d.direct for d in self._devices),
