@@ -15,6 +15,7 @@ from conftest import REPO, free_port, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
+from test_cli import _kvseal
 
 from kvseal import cli
 from kvseal.cli import config_file
@@ -25,20 +26,6 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
-
-
-def _kvseal(*argv: str) -> subprocess.CompletedProcess[str]:
-    """`python -m kvseal ARGV`, without $KVSEAL_TOKEN."""
-    env = {k: v for k, v in os.environ.items() if k != "KVSEAL_TOKEN"}
-    return subprocess.run(
-        [sys.executable, "-m", "kvseal", *argv],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
 
 
 def _error_line(r: subprocess.CompletedProcess[str]) -> str:
