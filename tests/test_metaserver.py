@@ -4,10 +4,12 @@ two MetaServer replicas answer the same, and one killed leaves the other answeri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -137,6 +139,44 @@ def test_two_replicas_on_one_redis_agree_and_one_killed_leaves_the_other(
     assert second.prefix([h(0), h(1), h(2)]) == {"a": 3, "b": 1}
     third = meta("--store", redis_url)  # a restart forgets nothing
     assert third.prefix([h(0), h(1), h(2)]) == {"a": 3, "b": 1}
+
+
+@pytest.mark.parametrize(
+    "first_bytes", [b"SSH-2.0-OpenSSH_9.2\r\n", b"-ERR unknown command\r\n", b"+OK\r\n", b""], ids=repr
+)
+def test_a_store_url_at_a_port_that_is_not_redis_is_one_line(first_bytes: bytes) -> None:
+    """A redis:// URL at a server that answers something else (an SSH banner, an error, a bare OK, or closes at
+    once): one line saying it answers but not as Redis does, exit 1, no traceback."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer() -> None:
+        with listener:
+            listener.settimeout(60)
+            try:
+                for _ in range(8):  # redis-py may connect again after a failed handshake
+                    conn, _ = listener.accept()
+                    with conn:
+                        conn.sendall(first_bytes)
+                        conn.settimeout(0.2)
+                        with contextlib.suppress(OSError):
+                            conn.recv(4096)
+            except OSError:
+                pass
+
+    server = threading.Thread(target=answer, daemon=True)
+    server.start()
+    r = subprocess.run(
+        [sys.executable, "-m", "kvseal", "metaserver", "--listen", f"127.0.0.1:{free_port()}", "--http-listen", ""]
+        + ["--store", f"redis://127.0.0.1:{port}/0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"kvseal metaserver: error: redis://127.0.0.1:{port}/0 (--store) answers, but not as")
+    assert "point --store at a redis-server's port" in r.stderr
 
 
 def test_redis_unreachable_at_start_or_later(meta: Callable[..., Meta], redis_url: str, tmp_path: Path) -> None:

@@ -45,12 +45,20 @@ def open_store(spec: str) -> tuple[MetaStore, Callable[[], float]]:
         try:
             return RedisStore(spec), time.time
         except ConnectionError as e:
-            parts = urllib.parse.urlsplit(spec)
-            raise Unavailable(
-                f"cannot reach Redis at {redacted(spec)} (--store): {reason(e)}: start redis-server there (e.g. "
-                f"`redis-server --port {parts.port or 6379}`, from Debian's redis-server package), or pass "
-                "--store memory"
-            ) from None
+            if "closed by server" not in str(e):  # nothing listens there, or the name does not resolve
+                parts = urllib.parse.urlsplit(spec)
+                raise Unavailable(
+                    f"cannot reach Redis at {redacted(spec)} (--store): {reason(e)}: start redis-server there (e.g. "
+                    f"`redis-server --port {parts.port or 6379}`, from Debian's redis-server package), or pass "
+                    "--store memory"
+                ) from None
+            answer: BaseException = e
+        except Exception as e:  # something answered, but not as Redis does (an HTTP or SSH server, another port)
+            answer = e
+        raise Unavailable(
+            f"{redacted(spec)} (--store) answers, but not as Redis does ({quote(reason(answer))}): point --store "
+            "at a redis-server's port, or pass --store memory"
+        )
     raise InvalidArgument(f"--store must be 'memory' or redis://HOST:PORT/DB, got {quote(spec)}")
 
 
