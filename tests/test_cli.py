@@ -541,6 +541,15 @@ def test_startup_line_names_the_peer_port(
     assert f", HTTP on 127.0.0.1:{engine.http_port}, peer fetches on {peer}, lane " in line, line
 
 
+def test_a_metaserver_name_that_does_not_resolve_is_named(engine_factory: Callable[..., EngineProcess]) -> None:
+    """`--metaserver meta:50056` where `meta` is no host name here: the engine serves, and its one warning says
+    the name does not resolve (not only UNAVAILABLE)."""
+    engine = engine_factory("--metaserver", "nosuchhost.invalid:50056")
+    wait_until(lambda: "does not resolve" in engine.stderr_path.read_text(), 20, "the MetaServer warning")
+    (line,) = [line for line in engine.stderr_path.read_text().splitlines() if "MetaServer" in line]
+    assert "MetaServer nosuchhost.invalid:50056 unavailable (UNAVAILABLE: the name 'nosuchhost.invalid' does " in line
+
+
 def test_version_is_the_package_version() -> None:
     r = subprocess.run(
         [sys.executable, "-m", "kvseal", "--version"], cwd=REPO, capture_output=True, text=True, timeout=60

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -202,7 +203,9 @@ class Announcer:
                     if isinstance(e, AlreadyExists | PermissionDenied):
                         log.error("MetaServer %s refuses this node: %s: retrying", self._target, e)
                     else:
-                        log.warning("MetaServer %s unavailable (%s): retrying", self._target, e.status)
+                        log.warning(
+                            "MetaServer %s unavailable (%s): retrying", self._target, _unreachable(self._target, e)
+                        )
                     self._down = True
                 self._retry_at = now + self._backoff
                 self._backoff = min(self._backoff * 2, 10.0)
@@ -257,3 +260,13 @@ def _grouped(blocks: list[tuple[str, bytes]]) -> Iterator[pb.NamespaceBlocks]:
         by_ns.setdefault(ns, []).append(h)
     for ns, hashes in by_ns.items():
         yield pb.NamespaceBlocks(namespace_final=ns, block_hashes=hashes)
+
+
+def _unreachable(target: str, e: KvsealError) -> str:
+    """Why the MetaServer at `target` (HOST:PORT) did not answer: its name does not resolve, or `e`'s status."""
+    host = target.rsplit(":", 1)[0].strip("[]")
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as g:
+        return f"{e.status}: the name {host!r} does not resolve: {g}"
+    return e.status
