@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import kvseal
+from kvseal.peer.mooncake import INSTALL_PACKAGE
 
 RESULT_KEYS = (
     "save_gbps",
@@ -153,13 +154,30 @@ def test_quick_ssd_benchmark_prints_a_result_line(tmp_path: Path) -> None:
 
 @pytest.mark.process
 @pytest.mark.timeout(240)
-def test_quick_peer_benchmark_prints_a_result_line() -> None:
+@pytest.mark.parametrize("mooncake", [True, False], ids=["with Mooncake", "without Mooncake"])
+def test_quick_peer_benchmark_prints_a_result_line(mooncake: bool, tmp_path: Path) -> None:
+    """Without Mooncake Transfer Engine (an import of `mooncake` that fails, as where it is not installed), one
+    line says its column is not measured and why, and the rest is measured: no traceback."""
+    env = dict(os.environ)
+    if not mooncake:
+        (tmp_path / "mooncake").mkdir()
+        (tmp_path / "mooncake" / "__init__.py").write_text("raise ImportError(\"No module named 'mooncake'\")\n")
+        env["PYTHONPATH"] = str(tmp_path)
     proc = subprocess.run(
         [sys.executable, "-m", "kvseal", "bench", "peer", "--quick"],
         capture_output=True,
         text=True,
         timeout=230,
+        env=env,
     )
+    if not mooncake:
+        assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+        (line,) = [line for line in proc.stdout.splitlines() if "not measured (" in line]
+        assert line == f"  Mooncake TCP: not measured (Mooncake Transfer Engine is not installed: {INSTALL_PACKAGE})"
+        values = dict(kv.split("=") for kv in proc.stdout.splitlines()[-1].split()[1:])
+        assert values.pop("mooncake_tcp_gbps") == values.pop("peer_vs_mooncake") == "nan"
+        assert all(math.isfinite(float(v)) and float(v) > 0 for v in values.values()), values
+        return
     values = _quick_result(proc)
     assert list(values) == [
         "peer_gbps",

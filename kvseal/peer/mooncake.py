@@ -100,6 +100,15 @@ def _import_engine() -> tuple[Any, bool]:
     return TransferEngine, _own_log_level
 
 
+def missing() -> str | None:
+    """Why Mooncake Transfer Engine cannot run here (its package or libibverbs1 missing), or None when it can."""
+    try:
+        _import_engine()
+    except MooncakeUnavailable as e:
+        return str(e)
+    return None
+
+
 def _glog_min_level() -> ctypes.c_int32 | None:
     """glog's FLAGS_minloglevel in the copy of glog bundled with the mooncake wheel, or None where not found."""
     try:
