@@ -71,6 +71,9 @@ def _fingerprint(key: bytes) -> int:
     return int.from_bytes(_digest(key)[:8], "little")
 
 
+PENDING_KEYS = 4096  # hash-array keys HyperLogLog.add_keys lets wait before counting them in one pass
+
+
 class HyperLogLog:
     """Counts distinct keys in 2^`precision` one-byte registers (Flajolet, Fusy, Gandouet, Meunier, "HyperLogLog:
     the analysis of a near-optimal cardinality estimation algorithm", 2007), from 64-bit words: a word's low
@@ -88,6 +91,8 @@ class HyperLogLog:
         self._mask = self._m - 1
         self._width = 64 - precision  # the bits a rank is read from
         self._registers = bytearray(self._m)
+        self._pending: list[tuple[bytes, int]] = []  # hash arrays' bytes not counted yet, and their key size
+        self._pending_keys = 0
         # the estimate is biased up by ~1.5 % (mean) just above its switch from linear counting (n ~ 2.5m): the
         # plain algorithm's known weak spot, which HLL++'s empirical tables or Ertl's estimator (2017) remove
 
@@ -103,23 +108,41 @@ class HyperLogLog:
         self.add_word(int.from_bytes(_digest(key)[8:16], "little"))
 
     def add_keys(self, keys: Sequence[bytes]) -> None:
-        """Counts every key as `add` does: in one numpy pass when `keys` is a hash array of at least 16 bytes per
-        key (as kvseal.wire.lane.HashArray: n keys of `size` bytes back to back in `buffer` from `offset`), so
-        that a lane query's misses cost no Python per block; else key by key."""
+        """Counts every key as `add` does. A hash array of at least 16 bytes per key (as kvseal.wire.lane.HashArray:
+        n keys of `size` bytes back to back in `buffer` from `offset`) is copied aside in one piece and counted
+        with others in one numpy pass once PENDING_KEYS are waiting (or `estimate` is asked), so that a lane
+        query's misses cost no Python per block and no numpy call per query; other keys are counted one by one."""
         buffer, size = getattr(keys, "buffer", None), getattr(keys, "size", 0)
-        if buffer is None or not isinstance(size, int) or size < 16 or len(keys) < 8:
+        if buffer is None or not isinstance(size, int) or size < 16:
             for key in keys:
                 self.add(key)
             return
-        offset = int(getattr(keys, "offset", 0))
-        words = np.ndarray((len(keys),), "<u8", buffer, offset + 8, (size,))  # each key's bytes 8..16
-        high = (words >> np.uint64(self._p)).astype(np.float64)  # below 2^52: exact
-        rank = self._width + 1 - np.frexp(high)[1]  # frexp's exponent is the bit length (0 for 0)
+        n = len(keys)
+        if n:
+            offset = int(getattr(keys, "offset", 0))
+            self._pending.append((bytes(memoryview(buffer)[offset : offset + n * size]), size))
+            self._pending_keys += n
+            if self._pending_keys >= PENDING_KEYS:
+                self._count_pending()
+
+    def _count_pending(self) -> None:
+        """Counts the waiting hash arrays' keys, each key's bytes 8..16 as `add` reads them, one pass per key size."""
+        by_size: dict[int, list[bytes]] = {}
+        for data, size in self._pending:
+            by_size.setdefault(size, []).append(data)
+        self._pending, self._pending_keys = [], 0
         registers = np.frombuffer(self._registers, np.uint8)
-        np.maximum.at(registers, (words & np.uint64(self._mask)).astype(np.intp), rank.astype(np.uint8))
+        for size, chunks in by_size.items():
+            data = b"".join(chunks)
+            words = np.ndarray((len(data) // size,), "<u8", data, 8, (size,))
+            high = (words >> np.uint64(self._p)).astype(np.float64)  # below 2^52: exact
+            rank = self._width + 1 - np.frexp(high)[1]  # frexp's exponent is the bit length (0 for 0)
+            np.maximum.at(registers, (words & np.uint64(self._mask)).astype(np.intp), rank.astype(np.uint8))
 
     def estimate(self) -> float:
         """The distinct words counted, estimated."""
+        if self._pending:
+            self._count_pending()
         m = self._m
         registers = self._registers
         alpha = 0.7213 / (1.0 + 1.079 / m)
@@ -198,6 +221,10 @@ class WhatIf:
         self._hits += hit
         self._distinct.add_keys(keys[hit:])
         near, far = self._near, self._far
+        if held is None and not near and not far:  # nothing evicted: a larger pool hits no more
+            self._hits_2x += hit
+            self._hits_4x += hit
+            return
         i = hit
         while i < n:
             key = keys[i]

@@ -320,6 +320,9 @@ class BlockStore:
         what_if, resident = ns.what_if, ns.resident_blocks
         if abs(resident - what_if.capacity) * 8 > what_if.capacity:
             what_if.resize(resident)
+        if not len(what_if):  # nothing evicted lately: the block after the hit is held by no larger pool either
+            what_if.observe(hashes, hit)
+            return
         index, state = ns.index, self._pages.state
 
         def held(key: bytes) -> bool:
