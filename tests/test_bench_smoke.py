@@ -277,7 +277,8 @@ def test_the_replayed_workload_is_the_same_every_time_and_shares_prefixes() -> N
 
 @pytest.mark.timeout(120)
 def test_quick_hitrate_benchmark_prints_a_result_line() -> None:
-    """`kvseal bench hitrate --quick` (offline, no engine) prints its tables and a RESULT line of finite figures."""
+    """`kvseal bench hitrate --quick` prints its tables and a RESULT line of finite figures, and the real engine's
+    replay hit exactly what the simulation of its policy says."""
     proc = subprocess.run(
         [sys.executable, "-m", "kvseal", "bench", "hitrate", "--quick"],
         capture_output=True,
@@ -288,3 +289,4 @@ def test_quick_hitrate_benchmark_prints_a_result_line() -> None:
     for key in ("best_vs_prefixlru_5pct", "min_vs_prefixlru", "prefixlru_vs_lru_5pct", "belady_vs_lru_5pct"):
         assert key in values, values
     assert all(math.isfinite(v) and v > 0 for v in values.values()), values
+    assert values["engine_matches_sim"] == 1.0, proc.stdout

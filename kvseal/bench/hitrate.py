@@ -1,5 +1,6 @@
-"""Hit ratios of the eviction policies (kvseal.core.policies) on replayed workloads, offline: no engine, only the
-simulator (kvseal.bench.hitsim), next to Belady's optimum with and without admission.
+"""Hit ratios of the eviction policies (kvseal.core.policies) on replayed workloads: offline by the simulator
+(kvseal.bench.hitsim), next to Belady's optimum with and without admission, and the engine's own policies replayed
+against a real engine, checked against their simulation request by request.
 
     kvseal bench hitrate [--quick]
 
@@ -7,26 +8,38 @@ Workloads: kvseal.bench.workload's multi-turn chats (`Workload()`) and its mix o
 one-off prompts (`MixedWorkload()`), each at 16- and 512-token blocks. Capacities: 1, 2, 5, 10, 20 and 50 % of the
 workload's distinct blocks. For each, the hit ratio (blocks found / blocks asked) of every policy of POLICIES, of
 Belady (`belady`) and of Belady with admission (`belady+adm`); then each policy over LRU, over prefix-LRU (the
-floor) and over Belady; for the mixed workloads, the hit ratio of each kind of request at 5 %.
+floor) and over Belady; for the mixed workloads, the hit ratio of each kind of request at 5 %. Then a real
+`kvseal serve --eviction NAME` per engine policy (kvseal.core.eviction), a pool of exactly 5 % and 15 % of the mixed
+512-token workload's distinct blocks in 4 KiB pages, replays it over the lane as vLLM's connector would (Query,
+Load the hit, Save the rest): its hit ratio, its simulation's, the requests whose hit differs, requests/s.
 
 Last line: RESULT best_vs_prefixlru_5pct=… (the best policy other than lru and prefix-lru over prefix-LRU, at 5 %
 on the mixed 16-token workload) min_vs_prefixlru=… (the minimum over every workload and capacity of that best
 policy over prefix-LRU) prefixlru_vs_lru_5pct=… belady_vs_lru_5pct=… (mixed, 16-token, 5 %, Belady without
-admission) tinylfu_vs_prefixlru_5pct=… (TinyLFU itself) best_vs_belady_5pct=…. `--quick` replays smaller
+admission) tinylfu_vs_prefixlru_5pct=… (TinyLFU itself) best_vs_belady_5pct=… tailsfirst_vs_lru_1pct=… (the
+least over the workloads at 1 %) engine_matches_sim=… (the least share of requests whose engine hit equals the
+simulation's: 1 when the engine is its policy) engine_replay_rps=… (tails-first at 5 %). `--quick` replays smaller
 workloads (smoke figures).
 """
 
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
+from kvseal.bench.harness import START_TIMEOUT_S, SharedKV, register, start_engine
 from kvseal.bench.hitsim import SimResult, belady, simulate
+from kvseal.bench.ops import LAYER, PAGE
 from kvseal.bench.workload import MixedWorkload, Workload
+from kvseal.client import EngineClient
+from kvseal.core.eviction import EVICTION_POLICIES
 from kvseal.core.policies import POLICIES
 
 PERCENTS = (1, 2, 5, 10, 20, 50)
+ENGINE_SHARES = (0.05, 0.15)  # of the distinct blocks, for the real engine's replay (at least 2 prompts' worth)
 BLOCK_TOKENS = (16, 512)
 FLOORS = ("lru", "tails-first", "prefix-lru")  # recency only: the policies the others are measured against
 BELADY = ("belady", "belady+adm")
@@ -85,6 +98,70 @@ def report(label: str, kinds: list[str] | None, requests: list[list[bytes]]) -> 
     return by_pct
 
 
+def engine_replay(
+    workdir: Path, requests: Sequence[Sequence[bytes]], capacity: int, eviction: str
+) -> tuple[list[int], float]:
+    """Replays `requests` against a real engine (`kvseal serve --eviction EVICTION`, a pool of exactly `capacity`
+    4 KiB pages) as vLLM's connector drives it over the lane: Query the prompt, Load the hit under the query's
+    lease, Save the rest. Returns each request's hit and the seconds the replay took."""
+    import numpy as np
+
+    from kvseal.wire import lane
+
+    pool = capacity * PAGE
+    extra = ["--slab-size", str(pool), "--eviction", eviction]
+    engine = start_engine(workdir, f"engine-{eviction}-{capacity}", pool, extra=extra)
+    try:
+        engine.wait_ready(START_TIMEOUT_S)
+        longest = max(map(len, requests))
+        kv = SharedKV(1, longest, PAGE, np.random.default_rng(0))
+        client = EngineClient(engine.target, timeout=120)
+        try:
+            key = register(client, "replay", kv, 512, [LAYER]).key
+            call, ids = client.lane_call, list(range(longest))
+            hits: list[int] = []
+            start = time.perf_counter()
+            for hashes in requests:
+                hit, lease, *_ = lane.decode_query_ok(call(lane.encode_query(key[0], hashes)))
+                if hit:
+                    call(lane.encode_load(key, hashes[:hit], ids[:hit], lease))
+                if hit < len(hashes):
+                    call(lane.encode_save(key, hashes[hit:], ids[hit : len(hashes)]))
+                hits.append(hit)
+            return hits, time.perf_counter() - start
+        finally:
+            client.close()
+            kv.close()
+    finally:
+        engine.stop()
+
+
+def engine_check(requests: Sequence[Sequence[bytes]], shares: Sequence[float]) -> tuple[float, float]:
+    """The engine replay of each policy at each share of the distinct blocks, next to its simulation: prints the
+    hit ratios, the requests whose hit differs and requests/s; returns (the least share of requests whose hit
+    equals the simulation's, requests/s of tails-first at the first share)."""
+    distinct = len({key for request in requests for key in request})
+    asked = sum(map(len, requests))
+    print("\nreal engine (kvseal serve --eviction NAME, 4 KiB pages) replaying the mixed 512-token workload:")
+    print(f"{'policy':>12} {'cap %':>5} {'blocks':>7} {'engine':>8} {'simulated':>10} {'differ':>7} {'requests/s':>11}")
+    matches, rps = 1.0, 0.0
+    with tempfile.TemporaryDirectory(prefix="kvseal-bench-hitrate-") as tmp:
+        for share in shares:
+            capacity = round(distinct * share)
+            for eviction in EVICTION_POLICIES:
+                got, seconds = engine_replay(Path(tmp), requests, capacity, eviction)
+                expected = simulate(requests, capacity, POLICIES[eviction](capacity)).per_request
+                differ = sum(a != b for a, b in zip(got, expected, strict=True))
+                matches = min(matches, 1 - differ / len(requests))
+                if eviction == EVICTION_POLICIES[0] and share == shares[0]:
+                    rps = len(requests) / seconds
+                print(
+                    f"{eviction:>12} {share * 100:>5.0f} {capacity:>7} {sum(got) / asked:>8.4f} "
+                    f"{sum(expected) / asked:>10.4f} {differ:>7} {len(requests) / seconds:>11,.0f}"
+                )
+    return matches, rps
+
+
 def main(quick: bool = False) -> int:
     start = time.perf_counter()
     print(f"kvseal bench hitrate ({'quick' if quick else 'full'}): policies {', '.join(POLICIES)}; Belady")
@@ -100,6 +177,8 @@ def main(quick: bool = False) -> int:
         labelled = mixed.labelled(bt)
         kinds = [kind for kind, _ in labelled]
         runs[f"mixed{bt}"] = report(f"mixed, {bt}-token blocks", kinds, [hashes for _, hashes in labelled])
+    mixed512 = mixed.requests(512)
+    engine_matches, engine_rps = engine_check(mixed512, ENGINE_SHARES)
     at5 = runs["mixed16"][5]
     best, best_vs_floor = best_other(at5)
     print(f"\nbest policy over prefix-LRU at 5 % on mixed 16-token blocks: {best}")
@@ -110,6 +189,9 @@ def main(quick: bool = False) -> int:
         "belady_vs_lru_5pct": ratio(at5["belady"].ratio, at5["lru"].ratio),
         "tinylfu_vs_prefixlru_5pct": ratio(at5["tinylfu"].ratio, at5["prefix-lru"].ratio),
         "best_vs_belady_5pct": ratio(at5[best].ratio, at5["belady"].ratio),
+        "tailsfirst_vs_lru_1pct": min(ratio(r[1]["tails-first"].ratio, r[1]["lru"].ratio) for r in runs.values()),
+        "engine_matches_sim": engine_matches,
+        "engine_replay_rps": engine_rps,
     }
     print(f"{time.perf_counter() - start:.1f} s")
     if quick:
