@@ -54,7 +54,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +69,15 @@ def _digest(key: bytes) -> bytes:
 def _fingerprint(key: bytes) -> int:
     """The ghost's 8-byte fingerprint of `key`: its first 8 bytes (the HyperLogLog uses the next 8)."""
     return int.from_bytes(_digest(key)[:8], "little")
+
+
+def _fingerprints(keys: Sequence[bytes]) -> list[int]:
+    """`_fingerprint` of each key: in one numpy pass when the keys are all of one length of at least 16 bytes."""
+    sizes = set(map(len, keys))
+    if len(sizes) != 1 or (size := sizes.pop()) < 16:
+        return list(map(_fingerprint, keys))
+    fps: list[int] = np.ndarray((len(keys),), "<u8", b"".join(keys), 0, (size,)).tolist()
+    return fps
 
 
 PENDING_KEYS = 4096  # hash-array keys HyperLogLog.add_keys lets wait before counting them in one pass
@@ -242,42 +251,48 @@ class WhatIf:
                 break
         self._hits_4x += i
 
-    def evicted(self, keys: Iterable[bytes]) -> None:
+    def evicted(self, keys: Sequence[bytes]) -> None:
         """Blocks the pool just evicted, in eviction order: they become the ghost's newest entries."""
+        if not keys:
+            return
         near, far = self._near, self._far
-        for key in keys:
-            fp = _fingerprint(key)
-            if fp in near:  # evicted again without `stored` in between: it moves to the newest end
-                del near[fp]
-            elif fp in far:
-                del far[fp]
-            near[fp] = None
+        fps = _fingerprints(keys)
+        for fp in near.keys() & fps:  # evicted again without `stored` in between: it moves to the newest end
+            del near[fp]
+        for fp in far.keys() & fps:
+            del far[fp]
+        if len(set(fps)) < len(fps):  # a key evicted twice in one batch: its last eviction counts
+            fps = list(dict.fromkeys(reversed(fps)))[::-1]
+        near.update(dict.fromkeys(fps))
         self._balance()
 
-    def stored(self, keys: Iterable[bytes]) -> None:
+    def stored(self, keys: Sequence[bytes]) -> None:
         """Blocks the pool just stored: they leave the ghost (they are resident again)."""
         near, far = self._near, self._far
         if not near and not far:  # nothing evicted yet, or all of it stored again
             return
-        for key in keys:
-            fp = _fingerprint(key)
-            if fp in near:
-                del near[fp]
-            elif fp in far:
-                del far[fp]
-        self._balance()
+        fps = _fingerprints(keys)
+        back = [near.keys() & fps, far.keys() & fps]
+        if back[0] or back[1]:
+            for segment, found in zip((near, far), back, strict=True):
+                for fp in found:
+                    del segment[fp]
+            self._balance()
 
     def _balance(self) -> None:
         """Restores near = the newest capacity entries and far = at most the next 2 x capacity."""
         near, far, capacity = self._near, self._far, self._capacity
-        while len(near) > capacity:
-            far[near.popitem(last=False)[0]] = None  # near's oldest becomes far's newest
+        if len(near) > capacity:  # near's oldest become far's newest, in order
+            pop = near.popitem
+            far.update(dict.fromkeys([pop(last=False)[0] for _ in range(len(near) - capacity)]))
         while len(near) < capacity and far:
             fp = far.popitem(last=True)[0]
             near[fp] = None
             near.move_to_end(fp, last=False)
-        while len(far) > 2 * capacity:
-            far.popitem(last=False)
+        if len(far) > 2 * capacity:
+            pop = far.popitem
+            for _ in range(len(far) - 2 * capacity):
+                pop(last=False)
 
     def estimates(self) -> WhatIfEstimates:
         """The counts and ratios so far: ratio <= ratio_2x <= ratio_4x <= ratio_unbounded."""
