@@ -15,6 +15,7 @@ checks that it imports its own.
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 import sysconfig
@@ -46,8 +47,12 @@ def install(rev: str, where: Path) -> str:
     return str(python)
 
 
+ENV = {"PYTHONPATH": ""}  # set for the baseline's processes: they import its own kvseal, not one a PYTHONPATH names
+
+
 def _run(argv: list[str], what: str, cwd: Path | None = None) -> bytes:
-    r = subprocess.run(argv, capture_output=True, stdin=subprocess.DEVNULL, timeout=600, cwd=cwd)
+    env = dict(os.environ, **ENV)
+    r = subprocess.run(argv, capture_output=True, stdin=subprocess.DEVNULL, timeout=600, cwd=cwd, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"{what} failed: {r.stderr.decode(errors='replace')[-2000:]}")
     return r.stdout

@@ -57,7 +57,7 @@ def start_engine(
         pool_size=pool_bytes,
         slab_size=None,
         log_level="WARNING",
-        env=BENCH_ENV,
+        env=BENCH_ENV if cwd is None else {**BENCH_ENV, "PYTHONPATH": ""},  # another environment's: its own kvseal
         merge_output=True,
         python=python,
         cwd=cwd,
