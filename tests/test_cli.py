@@ -580,9 +580,11 @@ def _help_flags() -> dict[str, str | None]:
 
 
 def _readme_flag_table() -> dict[str, str]:
-    """The README's `kvseal serve` flag table: each flag of a row's first cell -> the row's default cell."""
-    readme = (REPO / "README.md").read_text()
-    table = readme.split("| flag | default | meaning |\n| --- | --- | --- |\n", 1)[1].split("\n\n", 1)[0]
+    """The `kvseal serve` flag table (docs/reference.md, where the README points for every flag): each flag of a
+    row's first cell -> the row's default cell."""
+    reference = (REPO / "docs" / "reference.md").read_text()
+    section = reference.split("\n## `kvseal serve`: the engine\n", 1)[1].split("\n## ", 1)[0]
+    table = section.split("| flag | default | meaning |\n| --- | --- | --- |\n", 1)[1].split("\n\n", 1)[0]
     rows: dict[str, str] = {}
     for line in table.splitlines():
         flags_cell, default_cell = line.split(" | ")[:2]
