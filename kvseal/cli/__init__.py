@@ -1,7 +1,7 @@
 """The `kvseal` command: `kvseal serve` runs the engine; `kvseal namespaces` shows (or purges) what it holds;
 `kvseal ssd inspect` reads an SSD tier directory offline; `kvseal bench NAME` runs a benchmark of kvseal/bench
-(engine, ssd, peer, cuda, store_ops, vllm_ttft, hybrid, pd, mooncake). The servers read --config FILE (TOML);
-`kvseal config print` shows the configuration they run with."""
+(engine, ssd, peer, ops, hitrate, cuda, store_ops, vllm_ttft, hybrid, pd, mooncake). The servers read --config
+FILE (TOML); `kvseal config print` shows the configuration they run with."""
 
 from __future__ import annotations
 

@@ -29,8 +29,8 @@ class Parser(argparse.ArgumentParser):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each default as the README's flag table writes it (30, not 30.0), except where there is none to show
-    (None, on/off switches)."""
+    """Shows each default as docs/reference.md's flag tables write it (30, not 30.0), except where there is none to
+    show (None, on/off switches)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         if action.default is None or isinstance(action.default, bool):
