@@ -121,14 +121,14 @@ def test_the_stores_what_if_estimates_follow_the_simulation_of_larger_pools(evic
     got = record.what_if.estimates()
     lookups = sum(map(len, MIXED))
 
-    def ratio(pages: int) -> float:
-        return sum(simulated(MIXED, pages, eviction)) / lookups
+    def ratio(blocks: int) -> float:
+        return sum(simulated(MIXED, blocks, eviction)) / lookups
 
     assert got.ratio == pytest.approx(ratio(capacity), abs=1e-12)
-    for estimate, pages in (
+    for estimate, blocks in (
         (got.ratio_2x, 2 * capacity),
         (got.ratio_4x, 4 * capacity),
         (got.ratio_unbounded, DISTINCT),
     ):
-        assert estimate == pytest.approx(ratio(pages), abs=0.01), pages
+        assert estimate == pytest.approx(ratio(blocks), abs=0.01), blocks
     assert got.ratio < got.ratio_2x < got.ratio_4x <= got.ratio_unbounded
