@@ -209,7 +209,7 @@ class Router:
             ) as up:
                 body = await up.read()
                 self._answered(instance, up.status)
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             err = self._failed("decode", instance, e)
             return web.json_response(error_body(err.message, err.kind, err.http_status), status=err.http_status)
         return web.Response(status=up.status, body=body, headers={CONTENT_TYPE: _content_type(up)})
@@ -240,6 +240,10 @@ class Router:
             raise _too_deep() from None
         except ValueError:
             raise RouterError(400, "invalid_request_error", "the request body is not JSON") from None
+        # Python 3.12 and later parse deeper than the recursion limit (3.13: some thousands of levels): same limit
+        limit = sys.getrecursionlimit()
+        if raw.count(b"[") + raw.count(b"{") > limit and _nesting_depth(body) > limit:
+            raise _too_deep()
         if not isinstance(body, dict):
             raise RouterError(400, "invalid_request_error", "the request body must be a JSON object")
         headers = _forwarded(request) | {REQUEST_ID: rid}
@@ -277,7 +281,7 @@ class Router:
             ) as up:
                 data = await up.read()
                 self._answered(instance, up.status)
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise self._failed("prefill", instance, e) from None
         finally:
             instance.inflight -= 1
@@ -305,14 +309,14 @@ class Router:
                 up = await self.session.post(
                     instance.url + path, json=body, headers=headers, timeout=self._silence_timeout
                 )
-            except (aiohttp.ClientError, TimeoutError) as e:
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 raise self._failed("decode", instance, e) from None
             try:
                 self._answered(instance, up.status)
                 if up.content_type != "text/event-stream":
                     try:
                         data = await up.read()
-                    except (aiohttp.ClientError, TimeoutError) as e:
+                    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                         raise self._failed("decode", instance, e) from None
                     return web.Response(
                         status=up.status, body=data, headers={CONTENT_TYPE: _content_type(up), REQUEST_ID: rid}
@@ -337,7 +341,7 @@ class Router:
             while True:
                 try:
                     chunk = await up.content.readany()
-                except (aiohttp.ClientError, TimeoutError) as e:
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                     # the status is sent already: the failure becomes the stream's last event, as vLLM does its own
                     err = self._failed("decode", instance, e)
                     log.warning("request %s: %d %s", rid, err.http_status, err.message)
@@ -385,7 +389,7 @@ class Router:
                     log.warning("decode instance %s answered the layout probe with %d", instance.url, up.status)
                     return
                 answer = await up.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             instance.ok = False
             log.warning("cannot learn the KV layout of decode instance %s: %s", instance.url, _describe_error(e))
             return
@@ -433,7 +437,8 @@ class Router:
         instance.ok = False
         instance.forget_layout()
         where = f"the {leg} instance {instance.url}"
-        if isinstance(e, TimeoutError):
+        # aiohttp's timeouts are asyncio.TimeoutError: TimeoutError itself from 3.11 on, its own class on 3.10
+        if isinstance(e, asyncio.TimeoutError):
             return RouterError(504, "gateway_timeout", f"{where} did not answer within {self.cfg.timeout_s:g} s")
         if isinstance(e, aiohttp.ClientConnectorError):
             return RouterError(502, "bad_gateway", f"{where} is unreachable: {_describe_error(e)}")
@@ -444,6 +449,17 @@ def _too_large(length: int | None, cap: int) -> RouterError:
     size = f"{length} bytes, more" if length is not None else "more"
     message = f"the request body is {size} than the router takes: at most {cap} bytes (--max-body-size)"
     return RouterError(413, "invalid_request_error", message)
+
+
+def _nesting_depth(value: object) -> int:
+    """How deep a json.loads result nests arrays and objects (0 for a scalar), walked without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _too_deep() -> RouterError:
