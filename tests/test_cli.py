@@ -557,49 +557,6 @@ def test_version_is_the_package_version() -> None:
     assert (r.returncode, r.stdout, r.stderr) == (0, f"kvseal {importlib.metadata.version('kvseal')}\n", "")
 
 
-def _help_flags() -> dict[str, str | None]:
-    """`kvseal serve --help`'s flags (--help aside) and the default each shows (None: it shows none)."""
-    r = subprocess.run(
-        [sys.executable, "-m", "kvseal", "serve", "--help"],
-        cwd=REPO,
-        env={k: v for k, v in os.environ.items() if k != "KVSEAL_TOKEN"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert r.returncode == 0, r.stderr
-    options = r.stdout.split("\noptions:\n", 1)[1]
-    flags: dict[str, str | None] = {}
-    for entry in re.split(r"\n(?=  -)", options):  # one entry per option, its help wrapped below it
-        flag = re.match(r"\s*(?:-\w, )?(--[a-z][a-z-]*)", entry)
-        assert flag, entry
-        default = re.search(r"\(default: (.*)\)$", " ".join(entry.split()))
-        flags[flag.group(1)] = default.group(1) if default else None
-    flags.pop("--help")
-    return flags
-
-
-def _readme_flag_table() -> dict[str, str]:
-    """The `kvseal serve` flag table (docs/reference.md, where the README points for every flag): each flag of a
-    row's first cell -> the row's default cell."""
-    reference = (REPO / "docs" / "reference.md").read_text()
-    section = reference.split("\n## `kvseal serve`: the engine\n", 1)[1].split("\n## ", 1)[0]
-    table = section.split("| flag | default | meaning |\n| --- | --- | --- |\n", 1)[1].split("\n\n", 1)[0]
-    rows: dict[str, str] = {}
-    for line in table.splitlines():
-        flags_cell, default_cell = line.split(" | ")[:2]
-        for flag in re.findall(r"`(--[a-z][a-z-]*)`", flags_cell):
-            rows[flag] = default_cell.replace("`", "")
-    return rows
-
-
-def test_readme_flag_table_is_the_help() -> None:
-    help_flags, readme = _help_flags(), _readme_flag_table()
-    assert sorted(readme) == sorted(help_flags)
-    shown = {flag: default for flag, default in help_flags.items() if default is not None}
-    assert {flag: readme[flag] for flag in shown} == shown
-
-
 def test_sizes_read_as_written_and_written_as_read() -> None:
     from kvseal.units import parse_size
 

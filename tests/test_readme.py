@@ -429,10 +429,16 @@ def help_defaults(command: str) -> dict[str, str | None]:
     return found
 
 
-@pytest.mark.parametrize("command, section", [("metaserver", "`kvseal metaserver`"), ("router", "`kvseal router`")])
+@pytest.mark.parametrize(
+    "command, section",
+    [
+        ("serve", "`kvseal serve`: the engine"),
+        ("metaserver", "`kvseal metaserver`"),
+        ("router", "`kvseal router`"),
+    ],
+)
 def test_the_reference_flag_tables_are_the_help(command: str, section: str) -> None:
-    """docs/reference.md's table for the MetaServer and the router lists exactly their flags, with the defaults
-    their --help shows."""
+    """docs/reference.md's table for each server lists exactly its flags, with the defaults its --help shows."""
     table, shown = reference_table(section), help_defaults(command)
     assert sorted(table) == sorted(shown)
     assert {f: table[f] for f, d in shown.items() if d is not None} == {f: d for f, d in shown.items() if d}
