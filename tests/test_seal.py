@@ -359,8 +359,8 @@ def test_the_difference_of_two_layouts_names_what_was_changed(  # noqa: C901
         assert field.startswith("group") and not diffs[0].layer
         names_layer = False
     expected = [field]
-    if mutation == "block_size" and a.groups == (KvGroup("full", a.block_size),):
-        expected.append("groups")  # one full group of the old block size: implied before, listed now
+    if mutation == "block_size" and spec.groups == (KvGroup("full", spec.block_size),):
+        expected.append("groups")  # one full group, given, of the old block size: implied before, listed now
     assert [d.field for d in diffs] == expected  # exactly the change: a layer added shifts no other layer's id
     assert bool(diffs[0].layer) == names_layer
     if mutation == "add_mtp_layer":
