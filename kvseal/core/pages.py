@@ -259,11 +259,10 @@ class PageTable:
             del self.cells[pid], self.deadline[pid]
         return stale
 
-    def seal(self, pids: list[int]) -> None:
+    def seal(self, pids: Sequence[int]) -> None:
         """INFLIGHT -> SEALED: pages of one size class (out of the inflight dicts: `end_writes`), each the new most
         recently used of its class, in list order (tails first: in reverse)."""
-        if self.tails_first:
-            pids = pids[::-1]
+        pids = self._ring_order(pids)
         state, slab_of, slab_busy = self.state, self.slab_of, self.slab_busy
         for pid in pids:
             state[pid] = SEALED
@@ -326,8 +325,7 @@ class PageTable:
         the most recently used of its class, in list order (tails first: in reverse)."""
         if not pids:
             return
-        if self.tails_first:
-            pids = pids[::-1]
+        pids = self._ring_order(pids)
         pins, slab_busy, slab_of = self.pins, self.slab_busy, self.slab_of
         unpinned = []
         for pid in pids:
@@ -341,6 +339,11 @@ class PageTable:
             self._link_mru(unpinned, c)
             self.pinned_blocks -= len(unpinned)
             self.pinned_bytes -= len(unpinned) * self.class_bytes[c]
+
+    def _ring_order(self, pids: Sequence[int]) -> Sequence[int]:
+        """The order a batch is linked in (each page becoming the most recent in turn): the list's, or under tails
+        first its reverse, so that the batch's first page ends the most recent."""
+        return pids[::-1] if self.tails_first else pids
 
     def refresh(self, pids: Sequence[int]) -> None:
         """Tails first only (else nothing): the listed sealed unpinned pages of one size class (others are
@@ -563,10 +566,9 @@ class NativePageTable(PageTable):
         assert _table is not None
         return _table.end_writes(self.writers, self.cells, self.deadline, pids, written, full_mask)
 
-    def seal(self, pids: list[int]) -> None:
+    def seal(self, pids: Sequence[int]) -> None:
         assert _table is not None
-        if self.tails_first:
-            pids = pids[::-1]
+        pids = self._ring_order(pids)
         c = self.slab_class[self.slab_of[pids[0]]]
         _table.seal(self.state, self.prev, self.next, self.slab_busy, self.slab_of, pids, self.sentinel[c])
         if self.refill:
@@ -591,8 +593,7 @@ class NativePageTable(PageTable):
         if not pids:
             return
         assert _table is not None
-        if self.tails_first:
-            pids = pids[::-1]
+        pids = self._ring_order(pids)
         c = self.slab_class[self.slab_of[pids[0]]]
         unpinned = _table.unpin(self.pins, self.prev, self.next, self.slab_busy, self.slab_of, pids, self.sentinel[c])
         if unpinned:
