@@ -32,7 +32,7 @@ from kvseal.cli.servers import (
     check_metaserver_args,
     check_router_args,
 )
-from kvseal.errors import quote
+from kvseal.errors import ConfigError, quote
 
 Subcommands = argparse._SubParsersAction  # the `kvseal` subcommands, or those of `kvseal config print`
 Check = Callable[[argparse.ArgumentParser, argparse.Namespace], None]
@@ -48,8 +48,8 @@ SIZE_TYPES: tuple[object, ...] = (parse_size, positive_size)  # `config print` w
 SHOWN_CHARS = 40  # of a value that is not a string, quoted in an error (a string: kvseal.errors.quote)
 
 
-class FileError(Exception):
-    """A config file that cannot be used; the message is one line naming the file and the key."""
+class FileError(ConfigError):
+    """A config file that cannot be used (a usage error); the message is one line naming the file and the key."""
 
 
 def add_parsers(sub: Subcommands[Any]) -> None:
