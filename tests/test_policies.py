@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from kvseal.bench.hitsim import belady, simulate
 from kvseal.bench.workload import MixedWorkload, Workload
-from kvseal.core.policies import LRU, POLICIES, PrefixLRU, TailsFirst, _Sketch
+from kvseal.core.policies import LRU, POLICIES, PrefixLRU, _Sketch
 
 UNIVERSE = [bytes([i]) for i in range(10)]
 CAPACITY = 6
@@ -73,7 +73,7 @@ def test_every_policy_keeps_the_evict_contract(name: str, ops: list[tuple[Any, .
 def test_lru_and_prefix_lru_evict_in_the_orders_worked_out_by_hand() -> None:
     a, b, c, d = b"a", b"b", b"c", b"d"
     orders = {}
-    for policy in (LRU(4), TailsFirst(4), PrefixLRU(4)):
+    for policy in (LRU(4), PrefixLRU(4)):
         policy.hit([])  # request 1: nothing resident, stores a b c
         policy.insert([a, b, c])
         policy.hit([a, b])  # request 2: hits a b, stores d
@@ -83,9 +83,6 @@ def test_lru_and_prefix_lru_evict_in_the_orders_worked_out_by_hand() -> None:
         orders[policy.name] = policy.evict(1, {d}) + policy.evict(2, set()) + policy.evict(1, set())
     # LRU (least recent first): a b c -> c a b -> c a b d -> c b d a; refresh touches nothing
     assert orders["lru"] == [c, b, d, a]
-    # tails-first touches each call in reverse, alone: c b a -> c b a d (d above the hit a b) -> c b d a -> b d a c
-    # (c re-saved after the hit a: above it)
-    assert orders["tails-first"] == [b, d, a, c]
     # prefix-LRU touches each call in reverse, earlier calls of the request above it: c b a -> c d b a
     # (d below the hit a b) -> d b c a (c re-saved, below the hit a)
     assert orders["prefix-lru"] == [b, d, c, a]

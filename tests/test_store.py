@@ -482,10 +482,11 @@ def test_eviction_is_lru_and_hits_refresh_recency(full_pool: tuple[BlockStore, i
     check(store)
 
 
-def test_tails_first_evicts_a_prompts_tail_before_its_head_and_re_saves_refresh(clock: FakeClock) -> None:
-    """Tails first: a batch (a seal, a lease's release, a load) is linked so its first block ends the most recent,
-    a save naming held blocks refreshes them, and a save never evicts a block it names (LRU included)."""
-    store = make_store(4096, 4096, clock, eviction="tails-first")
+def test_prefix_lru_evicts_a_prompts_tail_before_its_head_and_re_saves_refresh(clock: FakeClock) -> None:
+    """prefix-lru: a batch (a seal, a lease's release, a load) is linked so its first block ends the most recent;
+    a save naming held blocks pins them until it finishes and then links them above its new blocks, first named
+    most recent; a save never evicts a block it names (LRU included)."""
+    store = make_store(4096, 4096, clock, eviction="prefix-lru")
     ns = store.namespace("m.x", TP1)
     save(store, ns, TP1, [h(0), h(1), h(2)])
     assert store.lru_order(TP1.page_bytes) == [h(2), h(1), h(0)]  # least recent first: the tail goes first
@@ -496,18 +497,21 @@ def test_tails_first_evicts_a_prompts_tail_before_its_head_and_re_saves_refresh(
     assert store.lru_order(TP1.page_bytes) == [h(2), h(3), h(1), h(0)]
     store.finish_load(store.begin_load(ns, TP1, [h(2), h(3)]))
     assert store.lru_order(TP1.page_bytes) == [h(1), h(0), h(3), h(2)]
-    # a re-save of held blocks with one new: the held ones are refreshed (first most recent) and protected, the
-    # new one is stored in the least recent unprotected page's place and ends the most recent
+    # a save naming held blocks with one new (a request's prefix h1 h0, then h5): the held ones leave the ring
+    # while it runs, the new one takes the least recent page's place (h3), and once it is sealed the held ones
+    # are linked above it, the first named most recent: the request's head outlives its tail
     plan = store.begin_save(ns, TP1, [h(1), h(0), h(5)], 1)
     assert (plan.skipped, len(plan.entries)) == (2, 1)
-    assert store.lru_order(TP1.page_bytes) == [h(2), h(0), h(1)]  # h3 evicted for h5, which is inflight
+    assert store.lru_order(TP1.page_bytes) == [h(2)]  # h3 evicted for h5, which is inflight; h1 h0 pinned
     store.finish_save(plan, ok=True)
-    assert store.lru_order(TP1.page_bytes) == [h(2), h(0), h(1), h(5)]
+    assert store.lru_order(TP1.page_bytes) == [h(2), h(5), h(0), h(1)]
     # a save whose own held blocks are all that could go stores nothing rather than evict them
     q = store.query(ns, TP1, [h(2)], "inst", 1)
     plan = store.begin_save(ns, TP1, [h(0), h(1), h(5), h(6)], 1)
     assert (plan.skipped, plan.not_stored, plan.entries) == (3, 1, [])
+    store.finish_save(plan, ok=True)
     store.release(q.lease_id, "inst")
+    assert store.lru_order(TP1.page_bytes) == [h(5), h(1), h(0), h(2)]
     assert store.statistics().evictions == 1
     check(store)
 

@@ -633,7 +633,15 @@ def test_scheduler_side_claims_loads_saves_and_releases_what_it_does_not_use(v: 
     assert [(j.req_id, j.hashes, j.block_ids, j.lease_id, j.sync) for j in meta.loads] == [
         ("a", hashes[:3], [7, 8, 9], 2, True)
     ]
-    assert (meta.save_hashes, meta.save_block_ids) == (hashes[3:5], [10, 11])  # the blocks it computed
+    # the blocks it computed, after the hit it names (the engine refreshes those, copies none it holds)
+    assert (meta.save_hashes, meta.save_block_ids) == (hashes[:5], [7, 8, 9, 10, 11])
+    assert meta.save_requests == [("a", 5)]
+    # a worker whose load of "a" failed this step saves none of a's blocks, and the other requests' as planned
+    meta.save_hashes += [b"x" * 32]
+    meta.save_block_ids += [20]
+    meta.save_requests += [("d", 1)]
+    assert meta.saves_except({"a"}) == ([b"x" * 32], [20])
+    assert meta.saves_except(set()) == (hashes[:5] + [b"x" * 32], [7, 8, 9, 10, 11, 20])
     assert side.build_connector_meta(_step()).loads == []  # handed over once
     assert side.request_finished(a) == (False, None)
     assert engine.released == [1]  # the load's lease is the worker's to end
@@ -649,3 +657,43 @@ def test_scheduler_side_claims_loads_saves_and_releases_what_it_does_not_use(v: 
     assert side._requests.keys() == {"b"}
     side.build_connector_meta(_step(finished={"b"}))
     assert not side._requests
+
+
+def test_a_worker_saves_nothing_of_a_request_whose_load_failed_in_that_step(v: types.SimpleNamespace) -> None:
+    """Request "a" was claimed for a synchronous load of 3 blocks and its first save names them with its 2 new
+    blocks; the engine copies only 1 (the next one was evicted meanwhile): vLLM recomputes a from there, and the
+    step's save carries none of a's blocks (its new ones were computed over the missing ones), only b's."""
+    from kvseal.vllm.metadata import KVSealConnectorMetadata, LoadJob
+    from kvseal.vllm.worker import WorkerSide
+
+    class Client:
+        saves: list[tuple[list[bytes], list[int]]] = []
+
+        def session_alive(self) -> bool:
+            return True
+
+        def load(self, key: Any, hashes: list[bytes], block_ids: list[int], lease_id: int) -> Any:
+            return pb.LoadResponse(outcome=pb.LoadResponse.MISSING, loaded=1)
+
+        def save(self, key: Any, hashes: list[bytes], block_ids: list[int]) -> Any:
+            self.saves.append((hashes, block_ids))
+            return pb.SaveResponse()
+
+    config = _vllm_config(v, **{"kvseal.namespace": "unit"})
+    client = Client()
+    worker = WorkerSide(config, _one_group(v), v.compat.KVSealConfig(namespace="unit"), client, v.outage.Outage("fake"))  # type: ignore[arg-type]
+    worker._registered = True
+    a, b = [bytes([n]) * 32 for n in range(5)], [b"b" * 32]
+    meta = KVSealConnectorMetadata(
+        loads=[LoadJob("a", a[:3], [7, 8, 9], 1, True)],
+        save_hashes=a + b,
+        save_block_ids=[7, 8, 9, 10, 11, 20],
+        save_requests=[("a", 5), ("b", 1)],
+    )
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+    assert worker.get_block_ids_with_load_errors() == {8, 9}
+    assert client.saves == [(b, [20])]
+    worker.start_load_kv(KVSealConnectorMetadata())  # the next step: a's later blocks are saved again
+    worker.wait_for_save(KVSealConnectorMetadata(save_hashes=a[3:], save_block_ids=[10, 11], save_requests=[("a", 2)]))
+    assert client.saves[1] == (a[3:], [10, 11])

@@ -11,14 +11,15 @@ Belady (`belady`) and of Belady with admission (`belady+adm`); then each policy 
 floor) and over Belady; for the mixed workloads, the hit ratio of each kind of request at 5 %. Then a real
 `kvseal serve --eviction NAME` per engine policy (kvseal.core.eviction), a pool of exactly 5 % and 15 % of the mixed
 512-token workload's distinct blocks in 4 KiB pages, replays it over the lane as vLLM's connector would (Query,
-Load the hit, Save the rest): its hit ratio, its simulation's, the requests whose hit differs, requests/s.
+Load the hit, Save the prompt: the hit named, the rest copied): its hit ratio, its simulation's, the requests
+whose hit differs, requests/s.
 
 Last line: RESULT best_vs_prefixlru_5pct=… (the best policy other than lru and prefix-lru over prefix-LRU, at 5 %
 on the mixed 16-token workload) min_vs_prefixlru=… (the minimum over every workload and capacity of that best
 policy over prefix-LRU) prefixlru_vs_lru_5pct=… belady_vs_lru_5pct=… (mixed, 16-token, 5 %, Belady without
-admission) tinylfu_vs_prefixlru_5pct=… (TinyLFU itself) best_vs_belady_5pct=… tailsfirst_vs_lru_1pct=… (the
+admission) tinylfu_vs_prefixlru_5pct=… (TinyLFU itself) best_vs_belady_5pct=… prefixlru_vs_lru_1pct=… (the
 least over the workloads at 1 %) engine_matches_sim=… (the least share of requests whose engine hit equals the
-simulation's: 1 when the engine is its policy) engine_replay_rps=… (tails-first at 5 %). `--quick` replays smaller
+simulation's: 1 when the engine is its policy) engine_replay_rps=… (prefix-lru at 5 %). `--quick` replays smaller
 workloads (smoke figures).
 """
 
@@ -41,7 +42,7 @@ from kvseal.core.policies import POLICIES
 PERCENTS = (1, 2, 5, 10, 20, 50)
 ENGINE_SHARES = (0.05, 0.15)  # of the distinct blocks, for the real engine's replay (at least 2 prompts' worth)
 BLOCK_TOKENS = (16, 512)
-FLOORS = ("lru", "tails-first", "prefix-lru")  # recency only: the policies the others are measured against
+FLOORS = ("lru", "prefix-lru")  # recency only: the policies the others are measured against
 BELADY = ("belady", "belady+adm")
 
 
@@ -103,7 +104,8 @@ def engine_replay(
 ) -> tuple[list[int], float]:
     """Replays `requests` against a real engine (`kvseal serve --eviction EVICTION`, a pool of exactly `capacity`
     4 KiB pages) as vLLM's connector drives it over the lane: Query the prompt, Load the hit under the query's
-    lease, Save the rest. Returns each request's hit and the seconds the replay took."""
+    lease, Save the prompt (the hit prefix named, as the connector's first save of a request names it; the engine
+    copies only the rest). Returns each request's hit and the seconds the replay took."""
     import numpy as np
 
     from kvseal.wire import lane
@@ -125,8 +127,8 @@ def engine_replay(
                 hit, lease, *_ = lane.decode_query_ok(call(lane.encode_query(key[0], hashes)))
                 if hit:
                     call(lane.encode_load(key, hashes[:hit], ids[:hit], lease))
-                if hit < len(hashes):
-                    call(lane.encode_save(key, hashes[hit:], ids[hit : len(hashes)]))
+                if hashes:  # the whole prompt: the engine copies the blocks it lacks and refreshes the others
+                    call(lane.encode_save(key, hashes, ids[: len(hashes)]))
                 hits.append(hit)
             return hits, time.perf_counter() - start
         finally:
@@ -139,7 +141,7 @@ def engine_replay(
 def engine_check(requests: Sequence[Sequence[bytes]], shares: Sequence[float]) -> tuple[float, float]:
     """The engine replay of each policy at each share of the distinct blocks, next to its simulation: prints the
     hit ratios, the requests whose hit differs and requests/s; returns (the least share of requests whose hit
-    equals the simulation's, requests/s of tails-first at the first share)."""
+    equals the simulation's, requests/s of the default policy at the first share)."""
     distinct = len({key for request in requests for key in request})
     asked = sum(map(len, requests))
     print("\nreal engine (kvseal serve --eviction NAME, 4 KiB pages) replaying the mixed 512-token workload:")
@@ -189,7 +191,7 @@ def main(quick: bool = False) -> int:
         "belady_vs_lru_5pct": ratio(at5["belady"].ratio, at5["lru"].ratio),
         "tinylfu_vs_prefixlru_5pct": ratio(at5["tinylfu"].ratio, at5["prefix-lru"].ratio),
         "best_vs_belady_5pct": ratio(at5[best].ratio, at5["belady"].ratio),
-        "tailsfirst_vs_lru_1pct": min(ratio(r[1]["tails-first"].ratio, r[1]["lru"].ratio) for r in runs.values()),
+        "prefixlru_vs_lru_1pct": min(ratio(r[1]["prefix-lru"].ratio, r[1]["lru"].ratio) for r in runs.values()),
         "engine_matches_sim": engine_matches,
         "engine_replay_rps": engine_rps,
     }

@@ -60,8 +60,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         "--eviction",
         choices=EVICTION_POLICIES,
         default=EVICTION_POLICIES[0],
-        help="which blocks leave a full pool: tails-first (a prompt's last blocks before its first, re-saves "
-        "refresh) or lru (least recently used, in prompt order); docs/benchmarks.md compares them",
+        help="which blocks leave a full pool: prefix-lru (least recently used requests, a prompt's last blocks "
+        "before its first, re-saves refresh) or lru (least recently used blocks, in prompt order); "
+        "docs/benchmarks.md compares them",
     )
     serve.add_argument(
         "--lease-ttl",

@@ -6,14 +6,16 @@ LRU ring (pages.py), so a page that is inflight, pinned by a lease, a load or an
 
 Two policies order each size class's ring (`EVICTION_POLICIES`, `kvseal serve --eviction`); pages leave from its
 least recent end, and a save never evicts pages of hashes it names itself:
+- "prefix-lru" (the default): a prefix cache should lose a prompt's tail before its head (blocks past a missing
+  one can never hit). Every batch that seals or unpins pages is linked in reverse, so its first block ends the
+  most recent; a save pins the held blocks it names and, once its new pages are sealed, unpins them in the same
+  order, so they end more recent than the new ones. A client that names the request's whole prompt in its save
+  (the vLLM connector names the hit prefix in a request's first save; the engine copies nothing for it) leaves the
+  request's blocks head first, tail last: kvseal.core.policies.PrefixLRU over keys. `kvseal bench hitrate`
+  simulates it and tests/test_eviction_replay.py checks the store hits what the simulation says, block for block.
 - "lru": a hit (a query's lease or a load, once unpinned) or a seal makes a page the most recently used, in list
   order: a prompt's last block ends the most recent, its first is evicted first. A re-save of a held block does
   not refresh it.
-- "tails-first" (the default): the same events, each batch linked in reverse, so that within a batch the prompt's
-  tail is evicted before its head (blocks past a missing one can never hit), and a save naming blocks already
-  held refreshes them (its new blocks end more recent). kvseal.core.policies.TailsFirst is the same order over
-  keys: `kvseal bench hitrate` simulates both, and tests/test_eviction_replay.py checks the store hits what the
-  simulation says, block for block.
 Evicted pages stay counted as used in their slabs: the allocator (slabs.py) reuses them in place for the save that
 asked, so a page id is never recycled through the slab's free list on the way.
 
@@ -29,7 +31,7 @@ from collections.abc import Collection, Sequence
 from kvseal.core.index import ChangeLog, Namespaces
 from kvseal.core.pages import PageTable
 
-EVICTION_POLICIES = ("tails-first", "lru")  # the first is the default
+EVICTION_POLICIES = ("prefix-lru", "lru")  # the first is the default
 
 
 class Eviction:

@@ -19,8 +19,8 @@ At 4x, `far` counts as well. So hit <= hit_2x <= hit_4x per request: the ratios 
 
 This is exact for a pool that evicts a pure LRU stack, given `held`. The engine's policies are nearly one: under
 "lru" a resident block past a request's first miss is not touched (a skipped re-save), so that block is older at C
-than it would be at kC, and "tails-first" orders each batch in reverse, so the larger pools would evict a little
-differently; tests/test_ghost.py measures the error against the offline simulator (kvseal.bench.hitsim with LRU
+than it would be at kC, and "prefix-lru" orders a request's blocks head first, so the larger pools would evict a
+little differently; tests/test_ghost.py measures the error against the offline simulator (kvseal.bench.hitsim with LRU
 at 2C and 4C), tests/test_eviction_replay.py the store's against each policy's simulation. `resize` keeps the
 ghost's order and re-splits it for the new capacity: the blocks the old pool evicted are then ranked against the
 new one.

@@ -18,7 +18,8 @@ The state table (every transition there is, and who asks for it)
     end_writes     INFLIGHT, one writer less       finish_save: says which pages to seal and which to drop
     seal           INFLIGHT -> SEALED (ring: MRU)  finish_save
     drop           INFLIGHT -> FREE                finish_save (nothing written), expire (see `stale`)
-    pin / unpin    SEALED, pins +1 / -1            query, begin_load / finish_load, leases, pin_pages (an SSD write)
+    pin / unpin    SEALED, pins +1 / -1            query, begin_load / finish_load, leases, pin_pages (an SSD write),
+                                                   begin_save / finish_save (prefix-lru: the held blocks a save names)
     forget         SEALED, unpinned -> FREE        eviction.py only: purge, a slab's drain step, LRU eviction
                    (SEALED -> INFLIGHT at once)    LRU eviction for a save, which opens the pages in place
     mark_refill    INFLIGHT, refill flag on / off  begin_refill / finish_refill, abandon_refill
@@ -88,9 +89,9 @@ class PageState:
 
 class PageTable:
     def __init__(self, n_slabs: int, *, tails_first: bool = False) -> None:
-        """`tails_first`: the ring order of the tails-first policy (eviction.py): a batch that seals or unpins
-        pages links them so that its first page ends the most recent, and `refresh` moves pages up; else LRU in
-        list order (the last page ends the most recent) and nothing refreshes."""
+        """`tails_first`: the ring order of the prefix-lru policy (eviction.py): a batch that seals or unpins
+        pages links them so that its first page ends the most recent; else LRU in list order (the last page ends
+        the most recent)."""
         self.tails_first = tails_first
         # per page id
         self.offset = array("q")  # byte offset in the arena
@@ -345,24 +346,6 @@ class PageTable:
         first its reverse, so that the batch's first page ends the most recent."""
         return pids[::-1] if self.tails_first else pids
 
-    def refresh(self, pids: Sequence[int]) -> None:
-        """Tails first only (else nothing): the listed sealed unpinned pages of one size class (others are
-        skipped) become the most recently used of their class, the first listed ending most recent: a save
-        naming blocks already held (`BlockStore.begin_save`) refreshes them."""
-        if not self.tails_first:
-            return
-        state, pins, prev, nxt = self.state, self.pins, self.prev, self.next
-        moved = [pid for pid in dict.fromkeys(pids) if state[pid] == SEALED and pins[pid] == 0]
-        if not moved:
-            return
-        for pid in moved:
-            p, q = prev[pid], nxt[pid]
-            nxt[p] = q
-            prev[q] = p
-        c = self.slab_class[self.slab_of[moved[0]]]
-        self.lru_len[c] -= len(moved)
-        self._link_mru(moved[::-1], c)
-
     def by_class(self, pids: Sequence[int]) -> list[list[int]]:
         """`pids` cut into runs of one size class each, in order (for pin and unpin, which take one class)."""
         runs: list[list[int]] = []
@@ -414,6 +397,11 @@ class PageTable:
             if pid is None or state[pid] != SEALED:
                 return k
         return len(found)
+
+    def sealed(self, pids: Sequence[int | None]) -> list[int]:
+        """The listed pages that are sealed (pinned or not), in list order; None entries are skipped."""
+        state = self.state
+        return [pid for pid in pids if pid is not None and state[pid] == SEALED]
 
     def evictable(self, pids: Sequence[int]) -> list[int]:
         """The listed pages that are sealed and unpinned (those in a ring), in list order."""

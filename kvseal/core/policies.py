@@ -78,7 +78,7 @@ def _pick(order: Iterator[Key], n: int, protected: Collection[Key]) -> list[Key]
 
 
 class LRU:
-    """Least recently used, as the engine evicts today: `hit` and `insert` make their keys the most recent in
+    """Least recently used (`kvseal serve --eviction lru`): `hit` and `insert` make their keys the most recent in
     prompt order (a request's last block ends most recent, its first the least recent of them); `refresh`
     touches nothing; `admit` takes all. Evicts the least recent unprotected keys, least recent first.
     Memory: one OrderedDict entry per key (~100 bytes)."""
@@ -119,34 +119,15 @@ class LRU:
         return victims
 
 
-class TailsFirst(LRU):
-    """The engine's default order (kvseal.core.eviction, `kvseal serve --eviction tails-first`) over keys: each
-    call touches its keys so that its first key ends the most recent (within a call the tail goes first), and
-    `refresh` touches (a re-save of held blocks). A call does not know the request's other calls (the engine sees
-    a lease's release and a save apart), so a request's new tail ends more recent than its hit prefix: PrefixLRU,
-    which re-touches, is what knowing the request adds. Memory: LRU's."""
-
-    name = "tails-first"
-
-    def hit(self, keys: Sequence[Key]) -> None:
-        move = self._order.move_to_end
-        for key in reversed(keys):
-            move(key)
-
-    def refresh(self, keys: Sequence[Key]) -> None:
-        self.hit(keys)
-
-    def insert(self, keys: Sequence[Key]) -> None:
-        self._order.update(dict.fromkeys(reversed(keys)))
-
-
 class PrefixLRU(LRU):
-    """Prefix-aware LRU (the floor the other policies must beat): a request's blocks are touched so that its tail
-    is evicted before its head. Each call touches its keys in reverse prompt order (its first key ends most
-    recent) and then re-touches the keys earlier calls of the same request touched, so that after a request its
-    hit prefix is the most recent, then its refreshed keys, then its inserted ones (positions are not known
-    across calls, so refreshed and inserted keys are not interleaved by position). `refresh` does touch.
-    Memory: one OrderedDict entry per key (~100 bytes), and the current request's keys (references)."""
+    """Prefix-aware LRU (the floor the other policies must beat; the engine's default, kvseal.core.eviction,
+    `kvseal serve --eviction prefix-lru`, with a client naming the request's hit prefix in its save): a request's
+    blocks are touched so that its tail is evicted before its head. Each call touches its keys in reverse prompt
+    order (its first key ends most recent) and then re-touches the keys earlier calls of the same request touched,
+    so that after a request its hit prefix is the most recent, then its refreshed keys, then its inserted ones
+    (positions are not known across calls, so refreshed and inserted keys are not interleaved by position).
+    `refresh` does touch. Memory: one OrderedDict entry per key (~100 bytes), and the current request's keys
+    (references)."""
 
     name = "prefix-lru"
 
@@ -392,7 +373,6 @@ class TinyLFU:
 
 POLICIES: dict[str, Callable[[int], Policy]] = {
     "lru": LRU,
-    "tails-first": TailsFirst,
     "prefix-lru": PrefixLRU,
     "prefix-cold": ColdStartLRU,
     "tinylfu": TinyLFU,

@@ -132,7 +132,7 @@ class Slabs:
             elif victims := self._eviction.evict(
                 c, min(n - len(out), self._unprotected(c, protected)), protected, reuse=True
             ):
-                # tails first evicts a batch last page first: hand its pages back in page order, so copies run forward
+                # prefix-lru evicts a batch last page first: hand its pages back in page order, so copies run forward
                 out += reversed(victims) if self._pages.tails_first else victims
             elif budget > 0 and (spent := self.reclaim_for(c, budget)):
                 budget -= spent

@@ -9,7 +9,7 @@ Where each part lives
                  module that writes a page's state, pins or writers
     index.py     namespaces, their sharded block hash -> page id indexes, the change log
     leases.py    leases and their deadlines (the store unpins what an ended lease held)
-    eviction.py  the eviction contract (evict n or nothing), the two ring orders (tails-first, lru), and `forget`:
+    eviction.py  the eviction contract (evict n or nothing), the two ring orders (prefix-lru, lru), and `forget`:
                  the one way a sealed page leaves (eviction, a slab's drain step, purge)
     slabs.py     the arena's slabs, size classes, carving, emptying a slab for another class in bounded steps
     store.py     BlockStore: the calls the engine makes, two-phase save / refill / load, query, expire
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import repeat
 
 # besides what it uses, this module hands out the names callers have always imported from it (noqa: F401)
@@ -67,7 +67,8 @@ from kvseal.errors import NotFound, quote
 @dataclass(frozen=True, slots=True)
 class SavePlan:
     """Pages one worker must now write, as columns: positions[k] indexes the request's hashes, pages[k] is the
-    page id written for it and offsets[k] that page's byte offset in the arena."""
+    page id written for it and offsets[k] that page's byte offset in the arena. `held`: sealed pages the save named,
+    pinned until it finishes (prefix-lru; else none)."""
 
     namespace_id: int
     cell_mask: int
@@ -76,6 +77,7 @@ class SavePlan:
     offsets: list[int]
     skipped: int
     not_stored: int
+    held: list[int] = field(default_factory=list)
 
     @property
     def entries(self) -> list[tuple[int, int, int]]:
@@ -160,7 +162,7 @@ class BlockStore:
         self.reclaim_step_pages = reclaim_step_pages
 
         self.eviction = eviction
-        self._pages = page_table(self.n_slabs, table, tails_first=eviction == "tails-first")
+        self._pages = page_table(self.n_slabs, table, tails_first=eviction == "prefix-lru")
         self.table = "native" if isinstance(self._pages, NativePageTable) else "python"
         self._namespaces = Namespaces(native=self.table == "native")
         self._changes = ChangeLog()
@@ -208,8 +210,12 @@ class BlockStore:
             self._open(ns, ns_id, hashes[: len(pids)], pids, writers=1)
             offsets = self._pages.offsets(pids)
             return SavePlan(ns_id, cell_mask, list(range(len(pids))), pids, offsets, 0, n - len(pids))
-        held = [pid for pid in found if pid is not None]  # sealed ones: a re-save; none is evicted to make room
-        self._pages.refresh(held)
+        # blocks already held: a re-save, or the request's prefix named by the client; none is evicted to make room.
+        # prefix-lru pins the sealed ones until finish_save, which links them back after the new pages: they end
+        # the most recent, in order (a request's head, then its tail)
+        held = [pid for pid in found if pid is not None]
+        pinned = self._pages.sealed(held) if self._pages.tails_first else []
+        self._pages.pin(pinned)
         while None in found:
             new = list(dict.fromkeys(h for h, pid in zip(hashes, found, strict=True) if pid is None))
             pids = allocate(c, len(new), budget, held)
@@ -219,7 +225,7 @@ class BlockStore:
             if len(pids) < len(new):
                 break
         positions, pages, skipped, not_stored = self._pages.join(found, cell_mask)
-        return SavePlan(ns_id, cell_mask, positions, pages, self._pages.offsets(pages), skipped, not_stored)
+        return SavePlan(ns_id, cell_mask, positions, pages, self._pages.offsets(pages), skipped, not_stored, pinned)
 
     def _open(self, ns: Namespace, ns_id: int, hashes: Sequence[bytes], pids: list[int], writers: int = 0) -> None:
         """Makes freshly allocated pages inflight, pids[k] for hashes[k], each with `writers` open plans."""
@@ -249,6 +255,7 @@ class BlockStore:
             what_if = self._namespaces[ns_id].what_if
             if len(what_if):  # blocks evicted before are resident again
                 what_if.stored([hash_of[pid] for pid in complete])  # type: ignore[misc]  # sealed: a hash each
+        self._pages.unpin(plan.held)
         return complete
 
     def _discard(self, pids: list[int]) -> None:
@@ -431,7 +438,7 @@ class BlockStore:
 
     def split_plan(self, plan: SavePlan, keep: Sequence[bool]) -> tuple[SavePlan, SavePlan]:
         """The plan's entries where `keep` is true, and the others (a refill whose records partly failed their
-        checks finishes the first as written and the second as not)."""
+        checks finishes the first as written and the second as not). The first keeps the plan's held pages."""
         parts: tuple[list[int], list[int]] = ([], [])
         for k, flag in enumerate(keep):
             parts[0 if flag else 1].append(k)
@@ -446,6 +453,7 @@ class BlockStore:
                     [plan.offsets[k] for k in ks],
                     0,
                     0,
+                    [] if out else plan.held,
                 )
             )
         return out[0], out[1]

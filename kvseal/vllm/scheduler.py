@@ -80,6 +80,7 @@ class _Request:
     claim: _Claim | None = None  # claimed, not yet allocated
     block_ids: list[int] | None = None  # its blocks once scheduled (None before: no saves planned)
     saved: int = 0  # leading blocks known to be in the engine
+    named: bool = False  # its first save was planned (it names the blocks before `saved`: the engine refreshes them)
     group_block_ids: list[list[int]] | None = None  # hybrid: its blocks per vLLM group once scheduled
     saved_tokens: int = 0  # hybrid: leading tokens whose full blocks (of every group) were saved or loaded
     hold: dict[str, Any] | None = None  # decode: the prefill's hold, to end once loaded
@@ -308,11 +309,16 @@ class SchedulerSide:
         assert state.block_ids is not None
         hashes = state.request.block_hashes
         full = min(done // self.block_size, len(hashes), len(state.block_ids))
-        if full > state.saved:
-            saved, ids = without_null_blocks(list(hashes[state.saved : full]), state.block_ids[state.saved : full])
+        # the first save names the prompt's hit too (loaded, or vLLM's own): the engine copies none it holds and
+        # makes them outlive the new blocks (prefix-lru: a request's head is evicted after its tail)
+        start = state.saved if state.named else 0
+        state.named = True
+        if full > start:
+            saved, ids = without_null_blocks(list(hashes[start:full]), state.block_ids[start:full])
             meta.save_hashes.extend(saved)
             meta.save_block_ids.extend(ids)
-            state.saved = full
+            meta.save_requests.append((req_id, len(saved)))
+            state.saved = max(state.saved, full)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         # saves run synchronously at the end of the step that computed the blocks, so nothing is left to wait for

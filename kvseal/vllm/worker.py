@@ -4,13 +4,16 @@ scheduler side planned them (kvseal.vllm.metadata) and reports one result per jo
     register_kv_caches    ->  Register (the engine maps this worker's KV tensors over the lane)
     start_load_kv         ->  one Load per LoadJob; blocks not loaded -> get_block_ids_with_load_errors
                               (a hybrid instance's loads: LoadGroups, a failure -> failed_recving)
-    wait_for_save         ->  one Save (SaveGroups: hybrid) of all the step's full blocks
+    wait_for_save         ->  one Save (SaveGroups: hybrid) of all the step's full blocks, each request's first
+                              save naming its hit prefix too; none of a request whose sync load failed this step
     get_transfer_results  ->  the asynchronous loads of this step, and those that failed
 
 It registers exactly the KV tensors vLLM allocated (drafter layers included when they exist) with their physical
 packing in `layout_tag`; the engine seals the layout and derives the namespace. Loads run at the step's start and
 are reported through get_finished; a failed or refused load reports its blocks through
-get_block_ids_with_load_errors so vLLM recomputes them. All saves of a step go in one Save RPC.
+get_block_ids_with_load_errors so vLLM recomputes them, and none of that request's blocks is saved in that step
+(its new blocks were computed over the blocks that failed). All saves of a step go in one Save RPC (more only
+past the lane's limit per call).
 
 A worker's registration lives as long as its lane connection to the engine (`EngineClient.session_alive`, checked
 once per step): when that is gone (engine restarted, connection broken) the worker registers again, whatever its
@@ -27,6 +30,7 @@ import torch
 
 from kvseal.client import layer_from_tensor
 from kvseal.errors import KvsealError
+from kvseal.limits import MAX_BLOCKS_PER_REQUEST
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.vllm.compat import instance_id_of, mamba_tag, splits_kv, stored_groups
 from kvseal.vllm.identity import model_identity
@@ -84,6 +88,7 @@ class WorkerSide:
         self._finished_loads: set[str] = set()
         self._failed_loads: set[str] = set()  # a hybrid instance's: vLLM recomputes the request
         self._load_errors: set[int] = set()
+        self._failed_sync: set[str] = set()  # this step's requests whose sync load failed: none of their blocks saved
 
     # ---------------------------------------------------------------- registration
 
@@ -183,6 +188,7 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KVSealConnectorMetadata) -> None:
         self._check_session()
+        self._failed_sync = set()
         for job in meta.loads:
             if job.runs:
                 self._load_runs(job)
@@ -195,6 +201,8 @@ class WorkerSide:
                     if r.outcome == pb.LoadResponse.REFUSED:
                         log.warning("kvseal refused a load of request %s: %s", job.req_id, r.message)
             self._load_errors.update(job.block_ids[loaded:])
+            if job.sync and loaded < len(job.block_ids):
+                self._failed_sync.add(job.req_id)
             if not job.sync:
                 self._finished_loads.add(job.req_id)
 
@@ -224,7 +232,10 @@ class WorkerSide:
             if meta.save_runs:
                 self._engine_call("save", self.client.save_groups, self._key, meta.save_runs)
             else:
-                self._engine_call("save", self.client.save, self._key, meta.save_hashes, meta.save_block_ids)
+                hashes, ids = meta.saves_except(self._failed_sync)
+                for k in range(0, len(hashes), MAX_BLOCKS_PER_REQUEST):  # long named prefixes may pass one call's
+                    end = k + MAX_BLOCKS_PER_REQUEST
+                    self._engine_call("save", self.client.save, self._key, hashes[k:end], ids[k:end])
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """The requests whose asynchronous load ended since the last call, and those of them that failed."""
