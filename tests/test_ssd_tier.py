@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from conftest import wait_until
 
 from kvseal.core.layout import LayerGeometry, Layout, build_layout, namespace_final
 from kvseal.ssd import format as fmt
@@ -69,7 +70,7 @@ class Harness:
             result.append(ok)
             done.set()
 
-        if not self.tier.write(key(layout, tenant, client), layout, items, finished):
+        if self.tier.write(key(layout, tenant, client), layout, items, finished) != len(items):
             return False
         assert done.wait(30), "the writer did not finish"
         return result[0]
@@ -204,6 +205,40 @@ def test_a_full_disk_takes_the_device_out_of_the_rotation_and_keeps_what_it_hold
     assert "memory" in stats.failed_devices and "No space" in stats.failed_devices["memory"]
     assert t.write(BASE, hashes("after", 2)) is False  # no device left: refused at once, never queued
     assert t.read(BASE, kept) == [""] * 10
+    t.close()
+
+
+class GatedDevice(MemoryDevice):
+    """A MemoryDevice whose writes wait for `gate`: a device slower than the saves (a burst)."""
+
+    def __init__(self, capacity_bytes: int, segment_bytes: int) -> None:
+        super().__init__(capacity_bytes, segment_bytes)
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def write(self, seq: int, offset: int, data: memoryview) -> None:
+        assert self.gate.wait(30), "the test never opened the gate"
+        super().write(seq, offset, data)
+
+
+def test_a_burst_writes_the_head_of_each_batch_that_fits_and_counts_the_rest() -> None:
+    """The queue holds 10 pages and the device is stuck: a batch of 6 is taken whole, the next batch of 7 only
+    for its 4 leading blocks (a prompt's head: every later hit needs it), a third not at all; the skipped ones
+    are counted, and once the device moves the taken ones read back and only they."""
+    dev = GatedDevice(4 << 20, SEGMENT)
+    t = Harness([dev], max_pending_bytes=10 * BASE.page_bytes)
+    dev.gate.clear()
+    a, b, c = hashes("a", 6), hashes("b", 7), hashes("c", 3)
+    done: list[bool] = []
+    for batch, taken in ((a, 6), (b, 4), (c, 0)):
+        items = [WriteItem(h, memoryview(page(BASE, h))) for h in batch]
+        assert t.tier.write(key(BASE), BASE, items, done.append) == taken
+    assert t.tier.statistics().skipped == 3 + 3
+    dev.gate.set()
+    wait_until(lambda: len(done) == 2, 30, "both taken batches written")
+    assert done == [True, True]  # one call per batch taken (the third never gets one)
+    assert t.read(BASE, a + b[:4]) == [""] * 10
+    assert [t.prefix(BASE, [h]) for h in b[4:] + c] == [0] * 6
     t.close()
 
 
@@ -390,7 +425,7 @@ def test_a_layout_colliding_with_a_namespace_on_disk_is_never_written_under_it()
     assert t.write(BASE, hs)
     pages = [memoryview(page(BF16, h)) for h in hs]
     done: list[bool] = []
-    assert not t.tier.write(key(BASE), BF16, [WriteItem(h, p) for h, p in zip(hs, pages, strict=True)], done.append)
+    assert t.tier.write(key(BASE), BF16, [WriteItem(h, p) for h, p in zip(hs, pages, strict=True)], done.append) == 0
     assert done == [] and t.read(BASE, hs) == [""] * 3
     t.close()
 
@@ -468,7 +503,7 @@ def test_the_null_tier_holds_nothing_and_takes_nothing() -> None:
     assert tier.holds(key(BASE), hs) == [False] * 3
     done: list[bool] = []
     items = [WriteItem(h, memoryview(page(BASE, h))) for h in hs]
-    assert tier.write(key(BASE), BASE, items, done.append) is False and done == []  # not taken: no call
+    assert tier.write(key(BASE), BASE, items, done.append) == 0 and done == []  # not taken: no call
     dst = [memoryview(bytearray(BASE.page_bytes)) for _ in hs]
     assert tier.read(key(BASE), BASE, hs, dst) == ["missing"] * 3
     assert all(not any(d) for d in dst)

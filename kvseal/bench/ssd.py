@@ -71,9 +71,13 @@ def _write_all(tier: DiskTier, layout: Layout, arena: np.ndarray, hashes: list[b
     for i in range(0, len(hashes), batch):
         chunk = hashes[i : i + batch]
         items = [WriteItem(h, memoryview(arena[(i + k) * size : (i + k + 1) * size])) for k, h in enumerate(chunk)]
-        while not tier.write(key, layout, items, lambda ok: pending.release()):
-            time.sleep(0.0005)  # the queues are full: wait for the writers, as a steady workload would
-        submitted += 1
+        while items:
+            taken = tier.write(key, layout, items, lambda ok: pending.release())
+            if taken:
+                submitted += 1
+                items = items[taken:]
+            else:
+                time.sleep(0.0005)  # the queues are full: wait for the writers, as a steady workload would
     for _ in range(submitted):
         pending.acquire()
     return time.perf_counter() - t0

@@ -118,7 +118,8 @@ class Tiers:
     # ---------------------------------------------------------------- write-through
 
     def write_through(self, key: NamespaceKey, layout: Layout, pages: list[int], *, reinsert: bool = False) -> None:
-        """Hands freshly sealed pages the SSD does not hold to its writers, pinned until written; `reinsert`: pages
+        """Hands freshly sealed pages (in prompt order) the SSD does not hold to its writers, pinned until written (a
+        burst: the leading ones the queues have room for); `reinsert`: pages
         just read from SSD whose records are aging (Tier.aging), written again so that a block hit on SSD
         outlives the segment it was in (second chance, instead of the log's FIFO). Under the lock."""
         if not pages:
@@ -131,12 +132,14 @@ class Tiers:
         self.store.pin_pages(pages)
         items = [WriteItem(hashes[i], self.page_view(pid, layout)) for i, pid in zip(chosen, pages, strict=True)]
 
-        def written(ok: bool) -> None:
-            with self._lock:
-                self.store.unpin_pages(pages)
+        taken = len(items)
 
-        if not self.ssd.write(key, layout, items, written, reinsert=reinsert):
-            self.store.unpin_pages(pages)
+        def written(ok: bool) -> None:  # takes the lock this caller holds: `taken` is set by then
+            with self._lock:
+                self.store.unpin_pages(pages[:taken])
+
+        taken = self.ssd.write(key, layout, items, written, reinsert=reinsert)
+        self.store.unpin_pages(pages[taken:])  # under a burst the tier takes the leading blocks it has room for
 
     # ---------------------------------------------------------------- where a miss continues
 

@@ -34,9 +34,9 @@ class NullTier:
         done: Callable[[bool], None],
         *,
         reinsert: bool = False,
-    ) -> bool:
-        """Takes nothing: False, and `done` is never called (the Tier contract for blocks not taken)."""
-        return False
+    ) -> int:
+        """Takes nothing: 0, and `done` is never called (the Tier contract for blocks not taken)."""
+        return 0
 
     def read(
         self,

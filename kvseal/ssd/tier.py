@@ -16,8 +16,10 @@ One lock (the tier's) guards the index and every counter; the writers and the re
 bookkeeping and never across device I/O.
 
 A write that fails (ENOSPC, EIO, EFBIG) takes its device out of the write rotation with one logged error: what
-is already on it stays readable, and the engine keeps serving from memory. Nothing here blocks a Save: a batch
-that finds the queues full is not written (counted as skipped).
+is already on it stays readable, and the engine keeps serving from memory. Nothing here blocks a Save: under a
+burst, a batch that finds the queues full is written as far as one device's queue has room, its leading blocks
+first (a prompt's head: every later hit needs it, so it is the most likely reused), and the rest is not written
+(counted as skipped).
 """
 
 from __future__ import annotations
@@ -102,12 +104,14 @@ class Tier(Protocol):
         done: Callable[[bool], None],
         *,
         reinsert: bool = False,
-    ) -> bool:
-        """Takes blocks of one namespace for writing. True: `done(ok)` is called exactly once, later, from another
-        thread (never from within `write`, so the caller may hold a lock that `done` takes), once they are written
-        (ok) or given up; the caller keeps the items' pages unchanged until then. False: they were not taken and
-        `done` is never called. `reinsert`: blocks the tier holds, written again (counted as reinserted); a block
-        written again moves to its new record."""
+    ) -> int:
+        """Takes blocks of one namespace for writing: all of them, or under a burst the leading ones the queues
+        have room for (items in prompt order), and answers how many. When that is more than 0, `done(ok)` is
+        called exactly once, later, from another thread (never from within `write`, so the caller may hold a lock
+        that `done` takes), once the taken ones are written (ok) or given up; the caller keeps their pages
+        unchanged until then. The others were not taken (counted as skipped), and with none taken `done` is never
+        called. `reinsert`: blocks the tier holds, written again (counted as reinserted); a block written again
+        moves to its new record."""
         ...
 
     def read(
@@ -263,26 +267,35 @@ class DiskTier:
         done: Callable[[bool], None],
         *,
         reinsert: bool = False,
-    ) -> bool:
-        """Queues blocks of one namespace for a device; `done(ok)` is called from a writer thread once they are
-        written (ok) or given up. False (and no call of `done`) when no device can take them now. `reinsert`: Tier's."""
-        nbytes = len(items) * layout.page_bytes
+    ) -> int:
+        """Queues blocks of one namespace for a device, whole on the next device with room, or else their leading
+        part on the device with the most room; `done(ok)` is called from a writer thread once the taken ones are
+        written (ok) or given up. Answers how many (0: no call of `done`). `reinsert`: Tier's."""
+        size = layout.page_bytes
         with self._lock:
             ns = self._index.namespace_for(key, layout)
             if ns.layout.digest != layout.digest:  # a fingerprint collision: never write one layout under another
                 self._write_collisions += len(items)
-                return False
-            job = WriteJob(ns, items, done, nbytes)
+                return 0
             share = self.max_pending_bytes // len(self._writers)
+            taken = 0
             for _ in range(len(self._writers)):
                 writer = self._writers[self._turn % len(self._writers)]
                 self._turn += 1
-                if writer.offer(job, share):
-                    if reinsert:
-                        self._reinserted += len(items)
-                    return True
-            self._skipped += len(items)
-            return False
+                if writer.offer(WriteJob(ns, items, done, len(items) * size), share):
+                    taken = len(items)
+                    break
+            else:  # a burst: the head of the batch where it fits
+                writing = [w for w in self._writers if not w.failed]
+                if writing:
+                    roomiest = min(writing, key=lambda w: w.pending_bytes)
+                    room = min((share - roomiest.pending_bytes) // size, len(items))
+                    if room > 0 and roomiest.offer(WriteJob(ns, items[:room], done, room * size), share):
+                        taken = room
+            if reinsert:
+                self._reinserted += taken
+            self._skipped += len(items) - taken
+            return taken
 
     def read(
         self,
