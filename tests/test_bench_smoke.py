@@ -286,7 +286,12 @@ def test_quick_hitrate_benchmark_prints_a_result_line() -> None:
         timeout=110,
     )
     values = _quick_result(proc)
-    for key in ("best_vs_prefixlru_5pct", "min_vs_prefixlru", "prefixlru_vs_lru_5pct", "belady_vs_lru_5pct"):
+    for key in (
+        "default_vs_prefixlru_min",
+        "default_vs_prefixlru_5pct",
+        "best_vs_prefixlru_5pct",
+        "belady_vs_prefixlru_5pct",
+    ):
         assert key in values, values
     assert all(math.isfinite(v) and v > 0 for v in values.values()), values
     assert values["engine_matches_sim"] == 1.0, proc.stdout

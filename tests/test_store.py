@@ -516,6 +516,32 @@ def test_prefix_lru_evicts_a_prompts_tail_before_its_head_and_re_saves_refresh(c
     check(store)
 
 
+def test_prefix_slru_keeps_hit_blocks_in_a_protected_segment_of_half_the_pool(clock: FakeClock) -> None:
+    """prefix-slru: saved blocks enter probation, a query's hit moves them to protected (half the class's pages:
+    2 of 4 here; its least recent page goes back to probation's most recent end), eviction takes probation's
+    least recent first. The same orders as kvseal.core.policies.PrefixSLRU."""
+    store = make_store(4096, 4096, clock, eviction="prefix-slru")
+    ns = store.namespace("m.x", TP1)
+    save(store, ns, TP1, [h(0), h(1), h(2)])
+    assert store.lru_order(TP1.page_bytes) == [h(2), h(1), h(0)]  # all in probation
+    q = store.query(ns, TP1, [h(0), h(1)], "inst", 1)
+    store.release(q.lease_id, "inst")
+    assert store.lru_order(TP1.page_bytes) == [h(2), h(1), h(0)]  # h1 h0 protected now, h0 most recent
+    save(store, ns, TP1, [h(3)])  # the free page
+    assert store.lru_order(TP1.page_bytes) == [h(2), h(3), h(1), h(0)]
+    assert evicts(store, ns, h(4)) == {h(2)}
+    assert evicts(store, ns, h(5)) == {h(3)}  # probation before protected, though h3 came after h1 h0
+    assert store.lru_order(TP1.page_bytes) == [h(4), h(5), h(1), h(0)]
+    q = store.query(ns, TP1, [h(4)], "inst", 1)  # a third protected page: protected's least recent one leaves
+    store.release(q.lease_id, "inst")
+    assert store.lru_order(TP1.page_bytes) == [h(5), h(1), h(0), h(4)]
+    assert evicts(store, ns, h(6)) == {h(5)}
+    assert evicts(store, ns, h(7)) == {h(1)}
+    assert evicts(store, ns, h(8)) == {h(6)}
+    assert store.lru_order(TP1.page_bytes) == [h(7), h(8), h(0), h(4)]
+    check(store)
+
+
 def test_nothing_is_evicted_when_everything_is_pinned(full_pool: tuple[BlockStore, int]) -> None:
     store, ns = full_pool
     lease = store.query(ns, TP1, [h(0), h(1), h(2), h(3)], "inst", 1)

@@ -459,7 +459,7 @@ TestTableMachine.settings = settings(
 
 @pytest.mark.parametrize(
     ("seed", "active", "n_slabs", "min_evictions", "eviction"),
-    [(1, NAMES, 40, 2000, "lru"), (2, ["C", "W"], 36, 200, "prefix-lru")],
+    [(1, NAMES, 40, 2000, "prefix-slru"), (2, ["C", "W"], 36, 200, "prefix-lru")],
     ids=["five size classes", "two classes of small pages"],
 )
 def test_a_large_pool_under_a_long_random_workload_matches(

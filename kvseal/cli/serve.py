@@ -60,9 +60,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         "--eviction",
         choices=EVICTION_POLICIES,
         default=EVICTION_POLICIES[0],
-        help="which blocks leave a full pool: prefix-lru (least recently used requests, a prompt's last blocks "
-        "before its first, re-saves refresh) or lru (least recently used blocks, in prompt order); "
-        "docs/benchmarks.md compares them",
+        help="which blocks leave a full pool: prefix-slru (prefix-lru in two segments: blocks a query hit are "
+        "kept in up to half the pool, and go after the blocks never hit), prefix-lru (least recently used "
+        "requests, a prompt's last blocks before its first, re-saves refresh) or lru (least recently used blocks, "
+        "in prompt order); docs/benchmarks.md compares them",
     )
     serve.add_argument(
         "--lease-ttl",

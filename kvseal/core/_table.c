@@ -94,6 +94,24 @@ static void link_mru(int32_t *prev, int32_t *next, const Py_ssize_t *pids, Py_ss
     next[sentinel] = first;
 }
 
+/* link_mru of the pages whose hot flag is `want` (hot == NULL: all of them) */
+static void link_where(int32_t *prev, int32_t *next, const Py_ssize_t *pids, Py_ssize_t n, Py_ssize_t sentinel,
+                       const int8_t *hot, int8_t want) {
+    int32_t first = next[sentinel];
+    Py_ssize_t linked = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t pid = (int32_t)pids[i];
+        if (hot != NULL && hot[pid] != want) continue;
+        prev[first] = pid;
+        next[pid] = first;
+        first = pid;
+        linked++;
+    }
+    if (!linked) return;
+    prev[first] = (int32_t)sentinel;
+    next[sentinel] = first;
+}
+
 PyDoc_STRVAR(pin_doc, "pin(pins, prev, next, slab_busy, slab_of, pids) -> pages pinned for the first time");
 static PyObject *pin(PyObject *self, PyObject *args) {
     PyObject *o[6];
@@ -126,19 +144,28 @@ done:
 }
 
 PyDoc_STRVAR(unpin_doc,
-             "unpin(pins, prev, next, slab_busy, slab_of, pids, sentinel) -> pages left without pins (linked at the\n"
-             "ring's most recently used end, in order)");
+             "unpin(pins, prev, next, slab_busy, slab_of, hot, pids, sentinel, hot_sentinel) -> pages left without\n"
+             "pins, each linked, in order, at the most recently used end of its segment: after hot_sentinel when its\n"
+             "hot flag is set, else after sentinel");
 static PyObject *unpin(PyObject *self, PyObject *args) {
-    PyObject *o[6];
-    Py_ssize_t sentinel;
-    if (!PyArg_ParseTuple(args, "OOOOOOn", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &sentinel)) return NULL;
-    Arr a[5];
-    static const Py_ssize_t sizes[5] = {4, 4, 4, 4, 4};
-    static const char *const names[5] = {"pins", "prev", "next", "slab_busy", "slab_of"};
+    PyObject *o[7];
+    Py_ssize_t sentinel, hot_sentinel;
+    if (!PyArg_ParseTuple(args, "OOOOOOOnn", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &sentinel,
+                          &hot_sentinel))
+        return NULL;
+    Arr a[6];
+    static const Py_ssize_t sizes[6] = {4, 4, 4, 4, 4, 1};
+    static const char *const names[6] = {"pins", "prev", "next", "slab_busy", "slab_of", "hot"};
     PyObject *result = NULL;
     Py_ssize_t n = 0, *pids = NULL;
-    int got = get_all(o, a, sizes, names, 5);
-    if (got < 5 || (pids = ids(o[5], a[0].n, &n)) == NULL || check_sentinel(sentinel, a[0].n) < 0) goto done;
+    int got = get_all(o, a, sizes, names, 6);
+    if (got < 6 || (pids = ids(o[6], a[0].n, &n)) == NULL || check_sentinel(sentinel, a[0].n) < 0 ||
+        check_sentinel(hot_sentinel, a[0].n) < 0)
+        goto done;
+    if (a[5].n != a[0].n) {
+        PyErr_SetString(PyExc_ValueError, "hot must have one entry per page id");
+        goto done;
+    }
     int32_t *pins = I32(a[0]), *prev = I32(a[1]), *next = I32(a[2]), *busy = I32(a[3]), *slab_of = I32(a[4]);
     Py_ssize_t k = 0; /* the unpinned pages, compacted at the front of pids */
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -148,7 +175,11 @@ static PyObject *unpin(PyObject *self, PyObject *args) {
             pids[k++] = pid;
         }
     }
-    if (k) link_mru(prev, next, pids, k, sentinel);
+    if (k) {
+        const int8_t *hot = I8(a[5]);
+        link_where(prev, next, pids, k, sentinel, hot, 0);
+        link_where(prev, next, pids, k, hot_sentinel, hot, 1);
+    }
     result = PyLong_FromSsize_t(k);
 done:
     PyMem_Free(pids);
@@ -241,12 +272,13 @@ done:
 }
 
 PyDoc_STRVAR(lru_victims_doc,
-             "lru_victims(prev, sentinel, n, protected) -> the n least recently used pages of the ring not in\n"
-             "protected (a set, or None), least recent first; [] when it has fewer");
+             "lru_victims(prev, sentinel, n, protected, skip) -> the n least recently used pages of the ring not in\n"
+             "protected (a set, or None), least recent first, passing over `skip` (the ring's other sentinel); []\n"
+             "when it has fewer");
 static PyObject *lru_victims(PyObject *self, PyObject *args) {
     PyObject *prev_obj, *protected;
-    Py_ssize_t sentinel, n;
-    if (!PyArg_ParseTuple(args, "OnnO", &prev_obj, &sentinel, &n, &protected)) return NULL;
+    Py_ssize_t sentinel, n, skip;
+    if (!PyArg_ParseTuple(args, "OnnOn", &prev_obj, &sentinel, &n, &protected, &skip)) return NULL;
     Arr a;
     if (get(prev_obj, &a, 4, "prev") < 0) return NULL;
     PyObject *out = NULL;
@@ -268,13 +300,17 @@ static PyObject *lru_victims(PyObject *self, PyObject *args) {
             Py_CLEAR(out);
             goto done;
         }
+        if (pid == skip) {
+            pid = prev[pid];
+            continue;
+        }
         PyObject *v = PyLong_FromLong(pid);
         if (v == NULL) {
             Py_CLEAR(out);
             goto done;
         }
-        int skip = protected != Py_None ? PySet_Contains(protected, v) : 0;
-        if (skip < 0 || (!skip && PyList_Append(out, v) < 0)) {
+        int held = protected != Py_None ? PySet_Contains(protected, v) : 0;
+        if (held < 0 || (!held && PyList_Append(out, v) < 0)) {
             Py_DECREF(v);
             Py_CLEAR(out);
             goto done;

@@ -2,12 +2,23 @@
 from typing import Any
 
 def pin(pins: Any, prev: Any, next: Any, slab_busy: Any, slab_of: Any, pids: Any, /) -> int: ...
-def unpin(pins: Any, prev: Any, next: Any, slab_busy: Any, slab_of: Any, pids: Any, sentinel: int, /) -> int: ...
+def unpin(
+    pins: Any,
+    prev: Any,
+    next: Any,
+    slab_busy: Any,
+    slab_of: Any,
+    hot: Any,
+    pids: Any,
+    sentinel: int,
+    hot_sentinel: int,
+    /,
+) -> int: ...
 def seal(state: Any, prev: Any, next: Any, slab_busy: Any, slab_of: Any, pids: Any, sentinel: int, /) -> None: ...
 def forget(
     state: Any, prev: Any, next: Any, block_hash: list[Any], pids: Any, lru_tail: bool, reused: bool, /
 ) -> None: ...
-def lru_victims(prev: Any, sentinel: int, n: int, protected: set[int] | None, /) -> list[int]: ...
+def lru_victims(prev: Any, sentinel: int, n: int, protected: set[int] | None, skip: int, /) -> list[int]: ...
 def open(
     state: Any,
     ns_of: Any,

@@ -28,8 +28,10 @@ The state table (every transition there is, and who asks for it)
   queries; a refill's inflight pages carry the refill flag (a query may wait for them: they are being read from
   SSD or a peer).
 - A SEALED page is pinned while a lease holds it or a load copies from it. The unpinned sealed pages of a size
-  class, and only they, are in the class's LRU ring (an intrusive doubly linked list through `prev`/`next`, one
-  sentinel page id per class): eviction only ever sees unpinned sealed pages.
+  class, and only they, are in the class's LRU ring (an intrusive doubly linked list through `prev`/`next`, two
+  sentinel page ids per class): eviction only ever sees unpinned sealed pages. The ring is two segments:
+  `sentinel` heads the protected one (hot pages: a query hit them, prefix-slru only), `probation` the other; walking
+  `prev` from `sentinel` meets probation's least recently used page first and protected's most recent last.
 
 Per page metadata lives in typed arrays indexed by page id (no object per page) to keep a resident block under
 256 bytes of engine memory, index entry included; the arrays grow PAGE_TABLE_CHUNK ids at a time. An inflight
@@ -88,11 +90,13 @@ class PageState:
 
 
 class PageTable:
-    def __init__(self, n_slabs: int, *, tails_first: bool = False) -> None:
-        """`tails_first`: the ring order of the prefix-lru policy (eviction.py): a batch that seals or unpins
-        pages links them so that its first page ends the most recent; else LRU in list order (the last page ends
-        the most recent)."""
+    def __init__(self, n_slabs: int, *, tails_first: bool = False, protected_share: float = 0.0) -> None:
+        """`tails_first`: the ring order of the prefix policies (eviction.py): a batch that seals or unpins pages
+        links them so that its first page ends the most recent; else LRU in list order (the last page ends the
+        most recent). `protected_share` (prefix-slru): the share of a class's pages that `promote` may keep in
+        its ring's protected segment (0: nothing is ever promoted, the ring is one segment)."""
         self.tails_first = tails_first
+        self.protected_share = protected_share
         # per page id
         self.offset = array("q")  # byte offset in the arena
         self.slab_of = array("i")  # the slab it was carved from (a sentinel's holds its class)
@@ -102,6 +106,7 @@ class PageTable:
         self.next = array("i")
         self.ns_of = array("i")
         self.writers = array("i")  # open save plans naming an inflight page
+        self.hot = array("b")  # 1: a sealed page in (or pinned from) its ring's protected segment
         self.block_hash: list[bytes | None] = []
         self.free_ids = array("i")  # ids in no slab, popped from the end
         # inflight pages only
@@ -110,8 +115,14 @@ class PageTable:
         self.refill: set[int] = set()  # those being refilled from SSD or a peer
         # per size class
         self.class_bytes: list[int] = []  # page stride
-        self.sentinel: list[int] = []  # the class's LRU ring: sentinel.next most recently used, .prev least
+        # the class's LRU ring: sentinel.next is the most recently used protected page, .prev the least recently
+        # used probation page; `probation` is the second sentinel, between the segments (probation.prev: the least
+        # recently used protected page, .next the most recently used probation page)
+        self.sentinel: list[int] = []
+        self.probation: list[int] = []
         self.lru_len: list[int] = []  # pages in the ring: the class's evictable pages
+        self.hot_pages: list[int] = []  # its hot pages (pinned or not)
+        self.class_pages: list[int] = []  # the pages of the slabs serving it (slabs.py keeps it)
         # per slab
         self.slab_class = [-1] * n_slabs  # which class the slab serves (-1: free); set by slabs.py only
         self.slab_busy = array("i", bytes(4 * n_slabs))  # its inflight or pinned pages: a slab with none can go
@@ -140,6 +151,7 @@ class PageTable:
                 self.next,
                 self.ns_of,
                 self.writers,
+                self.hot,
             ):
                 arr.frombytes(bytes(PAGE_TABLE_CHUNK * arr.itemsize))
             self.block_hash.extend([None] * PAGE_TABLE_CHUNK)
@@ -154,15 +166,20 @@ class PageTable:
         self.free_ids.extend(pids)
 
     def add_class(self, stride: int) -> int:
-        """A new size class of `stride`-byte pages, with an empty LRU ring. Returns its number."""
+        """A new size class of `stride`-byte pages, with an empty LRU ring (its two sentinels). Returns its number."""
         c = len(self.class_bytes)
         self.class_bytes.append(stride)
         self.lru_len.append(0)
-        (sentinel,) = self.new_ids(1)
-        self.state[sentinel] = SENTINEL
-        self.prev[sentinel] = self.next[sentinel] = sentinel
-        self.slab_of[sentinel] = c
+        self.hot_pages.append(0)
+        self.class_pages.append(0)
+        sentinel, probation = self.new_ids(2)
+        for pid in (sentinel, probation):
+            self.state[pid] = SENTINEL
+            self.slab_of[pid] = c
+        self.prev[sentinel] = self.next[sentinel] = probation
+        self.prev[probation] = self.next[probation] = sentinel
         self.sentinel.append(sentinel)
+        self.probation.append(probation)
         return c
 
     def place(self, pids: Sequence[int], slab: int, at: int, stride: int) -> None:
@@ -271,7 +288,7 @@ class PageTable:
         if self.refill:
             self.refill.difference_update(pids)
         c = self.slab_class[slab_of[pids[0]]]
-        self._link_mru(pids, c)
+        self._link_mru(pids, self.probation[c])
         n = len(pids)
         size = n * self.class_bytes[c]
         self.inflight_bytes -= size
@@ -337,7 +354,13 @@ class PageTable:
                 unpinned.append(pid)
         if unpinned:
             c = self.slab_class[slab_of[pids[0]]]
-            self._link_mru(unpinned, c)
+            if self.hot_pages[c]:
+                hot = self.hot
+                self._link_mru([pid for pid in unpinned if not hot[pid]], self.probation[c])
+                self._link_mru([pid for pid in unpinned if hot[pid]], self.sentinel[c])
+                self._demote(c)
+            else:
+                self._link_mru(unpinned, self.probation[c])
             self.pinned_blocks -= len(unpinned)
             self.pinned_bytes -= len(unpinned) * self.class_bytes[c]
 
@@ -358,11 +381,41 @@ class PageTable:
             runs[-1].append(pid)
         return runs
 
-    def _link_mru(self, pids: Sequence[int], c: int) -> None:
-        """Puts pages of class c at the most recently used end of its ring, in order (the last is the most
-        recent)."""
+    def promote(self, pids: Sequence[int]) -> None:
+        """prefix-slru (else nothing): pinned sealed pages of one size class that a query hit become hot; they join
+        the protected segment when unpinned."""
+        if not self.protected_share or not pids:
+            return
+        hot = self.hot
+        newly = [pid for pid in pids if not hot[pid]]
+        for pid in newly:
+            hot[pid] = 1
+        self.hot_pages[self.slab_class[self.slab_of[pids[0]]]] += len(newly)
+
+    def _demote(self, c: int) -> None:
+        """While class c has more hot pages than its protected share, the least recently used page of the protected
+        segment becomes the most recently used of probation (the sentinel between them moves past it); pinned hot
+        pages wait for their unpin."""
+        cap = int(self.protected_share * self.class_pages[c])
+        prev, nxt, hot = self.prev, self.next, self.hot
+        sentinel, probation = self.sentinel[c], self.probation[c]
+        while self.hot_pages[c] > cap:
+            pid = prev[probation]
+            if pid == sentinel:
+                break
+            hot[pid] = 0
+            self.hot_pages[c] -= 1
+            before, after = prev[pid], nxt[probation]
+            nxt[pid], prev[after] = after, pid  # probation leaves its place
+            nxt[before], prev[probation] = probation, before  # and goes in before pid
+            nxt[probation], prev[pid] = pid, probation
+
+    def _link_mru(self, pids: Sequence[int], sentinel: int) -> None:
+        """Puts pages at the most recently used end of the segment `sentinel` heads (a class's `sentinel`: its
+        protected segment; its `probation`), in order (the last is the most recent)."""
+        if not pids:
+            return
         prev, nxt = self.prev, self.next
-        sentinel = self.sentinel[c]
         first = nxt[sentinel]
         for pid in pids:
             prev[first] = pid
@@ -370,24 +423,19 @@ class PageTable:
             first = pid
         prev[first] = sentinel
         nxt[sentinel] = first
-        self.lru_len[c] += len(pids)
+        self.lru_len[self.slab_of[sentinel]] += len(pids)
 
     def lru_victims(self, c: int, n: int, protected: Collection[int] = ()) -> list[int]:
-        """The n least recently used pages of class c that are not in `protected`, least recent first; [] when the
-        ring has fewer."""
+        """The n least recently used pages of class c that are not in `protected`, least recent first (probation's,
+        then protected's); [] when the ring has fewer."""
         prev = self.prev
-        sentinel = self.sentinel[c]  # sentinel.prev is the least recently used page
+        sentinel, probation = self.sentinel[c], self.probation[c]  # sentinel.prev: the least recently used page
         victims: list[int] = []
         pid = prev[sentinel]
-        if protected:
-            while pid != sentinel and len(victims) < n:
-                if pid not in protected:
-                    victims.append(pid)
-                pid = prev[pid]
-        else:
-            while pid != sentinel and len(victims) < n:
+        while pid != sentinel and len(victims) < n:
+            if pid != probation and pid not in protected:
                 victims.append(pid)
-                pid = prev[pid]
+            pid = prev[pid]
         return victims if len(victims) == n else []
 
     def sealed_prefix(self, found: Sequence[int | None]) -> int:
@@ -416,6 +464,7 @@ class PageTable:
         reuses the pages in place): `open` writes their state and hash, so they are not written twice."""
         if not pids:
             return
+        c, lru_tail = self._leaving(pids, lru_tail)
         prev, nxt = self.prev, self.next
         if not reused:
             deque(map(self.state.__setitem__, pids, repeat(FREE)), maxlen=0)
@@ -435,11 +484,24 @@ class PageTable:
         p, q = prev[last], nxt[first]
         nxt[p] = q
         prev[q] = p
-        c = self.slab_class[self.slab_of[pids[0]]]
         n = len(pids)
         self.lru_len[c] -= n
         self.resident_blocks -= n
         self.sealed_bytes -= n * self.class_bytes[c]
+
+    def _leaving(self, pids: Sequence[int], lru_tail: bool) -> tuple[int, bool]:
+        """Pages of one class about to leave its ring (`forget`) stop being hot. Returns their class, and whether
+        they may leave in one splice: `lru_tail` unless they span both segments (the least recently used pages
+        run through probation first: the last of them hot means they do)."""
+        c = self.slab_class[self.slab_of[pids[0]]]
+        hot = self.hot
+        if self.hot_pages[c]:
+            lru_tail = lru_tail and not hot[pids[-1]]
+            cooled = [pid for pid in pids if hot[pid]]
+            for pid in cooled:
+                hot[pid] = 0
+            self.hot_pages[c] -= len(cooled)
+        return c, lru_tail
 
     # ---------------------------------------------------------------- reading
 
@@ -460,12 +522,13 @@ class PageTable:
         )
 
     def lru_pages(self, c: int) -> list[int]:
-        """Class c's ring, least recently used first."""
+        """Class c's ring, least recently used first (probation's pages, then protected's)."""
         out: list[int] = []
-        sentinel = self.sentinel[c]
+        sentinel, probation = self.sentinel[c], self.probation[c]
         pid = self.prev[sentinel]
         while pid != sentinel:
-            out.append(pid)
+            if pid != probation:
+                out.append(pid)
             pid = self.prev[pid]
         return out
 
@@ -508,16 +571,28 @@ class PageTable:
         assert pinned == self.pinned_blocks
         assert slab_busy == list(self.slab_busy)
         lru_pages = 0
-        for c, sentinel in enumerate(self.sentinel):
+        hot_pages = Counter[int]()
+        for pid in range(len(self)):
+            if self.hot[pid]:
+                assert self.state[pid] == SEALED and self.protected_share > 0
+                hot_pages[self.slab_class[self.slab_of[pid]]] += 1
+        for c, (sentinel, probation) in enumerate(zip(self.sentinel, self.probation, strict=True)):
             ring = 0
+            hot = 1  # from the sentinel on: the protected segment, then past `probation` the probation segment
             pid = self.next[sentinel]
             while pid != sentinel:
-                assert self.state[pid] == SEALED and self.pins[pid] == 0
                 assert self.prev[self.next[pid]] == pid
-                assert self.slab_class[self.slab_of[pid]] == c
-                ring += 1
+                if pid == probation:
+                    assert hot, "one probation sentinel per ring"
+                    hot = 0
+                else:
+                    assert self.state[pid] == SEALED and self.pins[pid] == 0 and self.hot[pid] == hot
+                    assert self.slab_class[self.slab_of[pid]] == c
+                    ring += 1
                 pid = self.next[pid]
+            assert not hot, "the probation sentinel is in the ring"
             assert ring == self.lru_len[c]
+            assert hot_pages[c] == self.hot_pages[c]
             lru_pages += ring
         assert lru_pages == self.resident_blocks - self.pinned_blocks
         return slab_used
@@ -558,7 +633,7 @@ class NativePageTable(PageTable):
         assert _table is not None
         pids = self._ring_order(pids)
         c = self.slab_class[self.slab_of[pids[0]]]
-        _table.seal(self.state, self.prev, self.next, self.slab_busy, self.slab_of, pids, self.sentinel[c])
+        _table.seal(self.state, self.prev, self.next, self.slab_busy, self.slab_of, pids, self.probation[c])
         if self.refill:
             self.refill.difference_update(pids)
         n = len(pids)
@@ -583,18 +658,30 @@ class NativePageTable(PageTable):
         assert _table is not None
         pids = self._ring_order(pids)
         c = self.slab_class[self.slab_of[pids[0]]]
-        unpinned = _table.unpin(self.pins, self.prev, self.next, self.slab_busy, self.slab_of, pids, self.sentinel[c])
+        unpinned = _table.unpin(
+            self.pins,
+            self.prev,
+            self.next,
+            self.slab_busy,
+            self.slab_of,
+            self.hot,
+            pids,
+            self.probation[c],
+            self.sentinel[c],
+        )
         if unpinned:
             self.lru_len[c] += unpinned
             self.pinned_blocks -= unpinned
             self.pinned_bytes -= unpinned * self.class_bytes[c]
+            if self.hot_pages[c]:
+                self._demote(c)
 
     def forget(self, pids: Sequence[int], *, lru_tail: bool = False, reused: bool = False) -> None:
         if not pids:
             return
         assert _table is not None
+        c, lru_tail = self._leaving(pids, lru_tail)
         _table.forget(self.state, self.prev, self.next, self.block_hash, pids, lru_tail, reused)
-        c = self.slab_class[self.slab_of[pids[0]]]
         n = len(pids)
         self.lru_len[c] -= n
         self.resident_blocks -= n
@@ -602,22 +689,25 @@ class NativePageTable(PageTable):
 
     def lru_victims(self, c: int, n: int, protected: Collection[int] = ()) -> list[int]:
         assert _table is not None
-        return _table.lru_victims(self.prev, self.sentinel[c], n, set(protected) if protected else None)
+        held = set(protected) if protected else None
+        return _table.lru_victims(self.prev, self.sentinel[c], n, held, self.probation[c])
 
     def offsets(self, pids: Sequence[int]) -> list[int]:
         assert _table is not None
         return _table.gather(self.offset, pids)
 
 
-def page_table(n_slabs: int, kind: str | None = None, *, tails_first: bool = False) -> PageTable:
+def page_table(
+    n_slabs: int, kind: str | None = None, *, tails_first: bool = False, protected_share: float = 0.0
+) -> PageTable:
     """The page table the store uses: `kind` "native" (the C loops; an error when the extension is not built) or
     "python" (the reference); None reads KVSEAL_TABLE, native when the extension is built, else python.
-    `tails_first`: PageTable's."""
+    `tails_first`, `protected_share`: PageTable's."""
     kind = kind or os.environ.get("KVSEAL_TABLE", "") or ("native" if _table is not None else "python")
     if kind == "python":
-        return PageTable(n_slabs, tails_first=tails_first)
+        return PageTable(n_slabs, tails_first=tails_first, protected_share=protected_share)
     if kind != "native":
         raise ValueError(f"KVSEAL_TABLE must be native or python, not {kind!r}")
     if _table is None:
         raise RuntimeError("the native page table (kvseal/core/_table.c) is not built: pip install -e . builds it")
-    return NativePageTable(n_slabs, tails_first=tails_first)
+    return NativePageTable(n_slabs, tails_first=tails_first, protected_share=protected_share)

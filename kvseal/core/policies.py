@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
+from itertools import chain
 from typing import Protocol
 
 Key = bytes  # opaque: only hashed and compared for equality (TinyLFU also fingerprints it)
@@ -156,6 +157,69 @@ class PrefixLRU(LRU):
     def insert(self, keys: Sequence[Key]) -> None:
         self._order.update(dict.fromkeys(keys))
         self._touch(keys)
+
+
+class PrefixSLRU(PrefixLRU):
+    """Segmented prefix-LRU (`kvseal serve --eviction prefix-slru`, the engine's default): PrefixLRU's order in
+    two segments. Stored blocks enter `probation`; a block a request hits moves to `protected`, which holds at
+    most `share` x capacity blocks (its least recent ones go back to probation's most recent end). Eviction takes
+    probation's least recent blocks first, then protected's. So a block hit once outlives any number of blocks
+    never hit (a flood of one-off prompts or finished conversations cannot push out the shared system prompts and
+    documents), and the segments keep PrefixLRU's order: a request's head outlives its tail in each.
+
+    Exactly as the engine does it (kvseal.core.pages: one ring per size class, a second sentinel between the
+    segments): `hit` promotes, in reverse prompt order, then sends protected's overflow back; `refresh` and
+    `insert` touch each key within its own segment (a re-save is not a hit), re-touching the request's earlier
+    calls as PrefixLRU does. Memory: PrefixLRU's, and one flag per key (a second OrderedDict)."""
+
+    name = "prefix-slru"
+    SHARE = 0.5  # protected's share of the capacity (the engine's PROTECTED_SHARE)
+
+    def __init__(self, capacity: int = 0, share: float = SHARE) -> None:
+        super().__init__(capacity)
+        self._hot: OrderedDict[Key, None] = OrderedDict()  # protected, least recent first; _order is probation
+        self._hot_cap = int(share * capacity)
+
+    def __len__(self) -> int:
+        return len(self._order) + len(self._hot)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order or key in self._hot
+
+    def _touch(self, keys: Sequence[Key]) -> None:
+        cold, hot = self._order, self._hot
+        for call in (keys, *reversed(self._request)):
+            for key in reversed(call):
+                if key in hot:
+                    hot.move_to_end(key)
+                elif key in cold:
+                    cold.move_to_end(key)
+        if keys:
+            self._request.append(keys)
+
+    def hit(self, keys: Sequence[Key]) -> None:
+        self._request = [keys] if keys else []
+        cold, hot = self._order, self._hot
+        for key in reversed(keys):
+            if key in cold:
+                del cold[key]
+                hot[key] = None
+            else:
+                hot.move_to_end(key)
+        while len(hot) > self._hot_cap:
+            cold[hot.popitem(last=False)[0]] = None
+
+    def evict(self, n: int, protected: Collection[Key]) -> list[Key]:
+        protected = _as_set(protected)
+        if n <= 0 or len(self) - sum(key in self for key in protected) < n:
+            return []
+        victims = _pick(chain(self._order, self._hot), n, protected)
+        for key in victims:
+            if key in self._order:
+                del self._order[key]
+            else:
+                del self._hot[key]
+        return victims
 
 
 class ColdStartLRU(PrefixLRU):
@@ -374,6 +438,7 @@ class TinyLFU:
 POLICIES: dict[str, Callable[[int], Policy]] = {
     "lru": LRU,
     "prefix-lru": PrefixLRU,
+    "prefix-slru": PrefixSLRU,
     "prefix-cold": ColdStartLRU,
     "tinylfu": TinyLFU,
 }

@@ -128,6 +128,7 @@ class Slabs:
             elif self.free_slabs:
                 slab = self.free_slabs.pop()
                 self._pages.slab_class[slab] = c
+                self._pages.class_pages[c] += capacity
                 partial[slab] = None
             elif victims := self._eviction.evict(
                 c, min(n - len(out), self._unprotected(c, protected)), protected, reuse=True
@@ -183,7 +184,9 @@ class Slabs:
 
     def _release(self, slab: int) -> None:
         """Returns a slab none of whose pages is in use to the pool, and its page ids to the page table."""
-        self.class_partial[self._pages.slab_class[slab]].pop(slab, None)
+        c = self._pages.slab_class[slab]
+        self.class_partial[c].pop(slab, None)
+        self._pages.class_pages[c] -= self.class_capacity[c]
         self._pages.return_ids(self.slab_pages[slab])
         self.slab_pages[slab] = array("i")
         self.slab_free_ids[slab] = array("i")
@@ -286,11 +289,13 @@ class Slabs:
             assert len(ids) - len(free_ids) == self.slab_used[s]
             assert (s in self.class_partial[c]) == (self.slab_used[s] < self.class_capacity[c] and s != self.drain)
             owned_ids.update(ids)
-        # every page id is a sentinel, a page of one slab, or free in the page table: none leaks or doubles
+        # every page id is a ring's sentinel, a page of one slab, or free in the page table: none leaks or doubles
         unowned = set(pages.free_ids)
         assert len(owned_ids) == sum(len(p) for p in self.slab_pages) and len(unowned) == len(pages.free_ids)
         assert not owned_ids & unowned and all(pages.state[pid] == FREE for pid in unowned)
-        assert len(pages.sentinel) + len(owned_ids) + len(unowned) == len(pages)
+        assert len(pages.sentinel) + len(pages.probation) + len(owned_ids) + len(unowned) == len(pages)
+        for c, capacity in enumerate(self.class_capacity):  # what prefix-slru's protected share is a share of
+            assert pages.class_pages[c] == pages.slab_class.count(c) * capacity
         assert free + pages.inflight_bytes + pages.sealed_bytes == arena_bytes
         if self.drain >= 0:  # a draining slab is in use, takes no new pages, and its cursor is within it
             d = self.drain

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 
 # besides what it uses, this module hands out the names callers have always imported from it (noqa: F401)
-from kvseal.core.eviction import EVICTION_POLICIES, Eviction
+from kvseal.core.eviction import EVICTION_POLICIES, PROTECTED_SHARE, Eviction
 from kvseal.core.index import (  # noqa: F401
     INDEX_SHARDS,
     BlockIndex,
@@ -162,7 +162,8 @@ class BlockStore:
         self.reclaim_step_pages = reclaim_step_pages
 
         self.eviction = eviction
-        self._pages = page_table(self.n_slabs, table, tails_first=eviction == "prefix-lru")
+        share = PROTECTED_SHARE if eviction == "prefix-slru" else 0.0
+        self._pages = page_table(self.n_slabs, table, tails_first=eviction != "lru", protected_share=share)
         self.table = "native" if isinstance(self._pages, NativePageTable) else "python"
         self._namespaces = Namespaces(native=self.table == "native")
         self._changes = ChangeLog()
@@ -319,6 +320,8 @@ class BlockStore:
             return PinnedPrefix(0, 0)
         deadline = self._clock() + (self.lease_ttl_s if ttl_s is None else ttl_s)
         self._pages.pin(pages)
+        if count:
+            self._pages.promote(pages)  # prefix-slru: a hit
         return PinnedPrefix(len(pages), self._leases.open(owner, tuple(pages), shares, deadline))
 
     def _observe(self, ns: Namespace, hashes: Sequence[bytes], hit: int) -> None:
@@ -350,14 +353,18 @@ class BlockStore:
         state = self._pages.state
         return [pid if pid is not None and state[pid] == SEALED else None for pid in ns.index.get_many(hashes)]
 
-    def lease_pages(self, pages: Sequence[int], owner: str, shares: int, ttl_s: float | None = None) -> int:
+    def lease_pages(
+        self, pages: Sequence[int], owner: str, shares: int, ttl_s: float | None = None, *, hit: bool = False
+    ) -> int:
         """Pins sealed pages (of any namespaces, found by resident() under the same lock hold) under one lease of
-        `shares` loads; 0 when `pages` is empty."""
+        `shares` loads; 0 when `pages` is empty. `hit`: a query's hit (prefix-slru promotes the pages)."""
         if not pages:
             return 0
         deadline = self._clock() + (self.lease_ttl_s if ttl_s is None else ttl_s)
         for run in self._pages.by_class(pages):
             self._pages.pin(run)
+            if hit:
+                self._pages.promote(run)
         return self._leases.open(owner, tuple(pages), shares, deadline, mixed=True)
 
     def count_hits(self, ns_id: int, hits: int, misses: int) -> None:
@@ -442,7 +449,7 @@ class BlockStore:
         parts: tuple[list[int], list[int]] = ([], [])
         for k, flag in enumerate(keep):
             parts[0 if flag else 1].append(k)
-        out = []
+        out: list[SavePlan] = []
         for ks in parts:
             out.append(
                 SavePlan(

@@ -76,7 +76,7 @@ class GroupQueries:
             needed = [pids[i] for i in needed_blocks(kind, tokens)]
             self.store.count_hits(ns_id, len(needed), len(pids) - len(needed))
             pages += needed  # type: ignore[arg-type]  # every needed block is present
-        lease_id = self.store.lease_pages(pages, inst.instance_id, len(inst.workers), ttl_s)
+        lease_id = self.store.lease_pages(pages, inst.instance_id, len(inst.workers), ttl_s, hit=True)
         found_result = QueryResult(tokens // step, lease_id, ttl_ms, sealed.namespace_final)
         ask = None
         dense = next((g for g, kind in enumerate(kinds) if kind.kind != "mamba"), None)
