@@ -31,10 +31,13 @@ def register_instance(engine: Engine, instance: str, dtype: str, shared: SharedA
 class Node:
     """An engine with a tier over `device`, and one registered worker whose KV is a sealed memfd."""
 
-    def __init__(self, device: MemoryDevice, instance: str = "w", dtype: str = "bfloat16", seed: int = 7) -> None:
+    def __init__(
+        self, device: MemoryDevice, instance: str = "w", dtype: str = "bfloat16", seed: int = 7, eviction: str = ""
+    ) -> None:
         self.tier = DiskTier([device], batch_bytes=64 << 10)
         self.tier.open()
-        self.engine = Engine(4 << 20, slab_bytes=1 << 20, ssd=self.tier)  # 512 KiB pages... of 8 KiB: 512 blocks
+        policy = {"eviction": eviction} if eviction else {}
+        self.engine = Engine(4 << 20, slab_bytes=1 << 20, ssd=self.tier, **policy)  # 8 KiB pages: 512 blocks
         self.shared = SharedArray((BLOCKS, SLOT))
         self.kv = self.shared.array
         self.kv[:] = np.random.default_rng(seed).integers(0, 256, self.kv.shape, dtype=np.uint8)
@@ -132,11 +135,13 @@ def test_a_prefix_that_continues_on_ssd_loads_as_one_hit(device: MemoryDevice, n
     assert np.array_equal(node.load(hs, q.lease_id), saved)
 
 
-def test_a_block_hit_on_ssd_outlives_its_segment_and_a_restart(device: MemoryDevice, nodes: list[Node]) -> None:
-    """Second chance: blocks read from SSD while their segment is in the older half of the log are written again,
+def test_a_block_hit_on_ssd_outlives_its_segment_and_a_restart(nodes: list[Node]) -> None:
+    """Second chance: blocks read from SSD while their segment is in the oldest three quarters of the log (the
+    newest 16 of 64 segments are young) are written again,
     so the log's FIFO reclaim keeps them (and a restart finds their newest records); blocks written beside them and
-    never hit go with their segment. The device holds 32 segments of about 60 blocks."""
-    node = Node(device)
+    never hit go with their segment. The device holds 64 segments of about 60 blocks, the pool 8 of them."""
+    device = MemoryDevice(32 << 20, 512 << 10)
+    node = Node(device, eviction="prefix-lru")  # under prefix-slru the pool would keep the blocks hit once
     nodes.append(node)
     hit, cold = hashes("hit", 8), hashes("cold", 8)
     saved = node.kv[:8].copy()
@@ -153,15 +158,15 @@ def test_a_block_hit_on_ssd_outlives_its_segment_and_a_restart(device: MemoryDev
     node.engine.release("w", q.lease_id, SESSION.caller)
     node.tier.flush()
     assert node.tier.statistics().reinserted == 0
-    fill("old", 10)  # the pool no longer holds `hit`; its segment is now in the older half
+    fill("old", 10)  # the pool no longer holds `hit`; its segment is now in the older three quarters
     q, loading = node.query(hit)
     assert loading and q.hits == 8
     node.engine.release("w", q.lease_id, SESSION.caller)
     node.tier.flush()
     assert node.tier.statistics().reinserted == 8
-    fill("late", 16)  # the first segments are reclaimed
+    fill("late", 45)  # the first segments are reclaimed
     s = node.tier.statistics()
-    assert s.segments < 32 and s.skipped == 0
+    assert s.segments < 64 and s.skipped == 0
     q, loading = node.query(hit)
     assert loading and q.hits == 8 and np.array_equal(node.load(hit, q.lease_id), saved)
     assert node.query(cold)[0].hits == 0  # never hit: gone with its segment

@@ -18,7 +18,8 @@ Last line: RESULT default_vs_prefixlru_min=… default_vs_prefixlru_max=… (the
 kvseal.core.eviction.EVICTION_POLICIES, over prefix-LRU: the least and the most over every workload and capacity)
 default_vs_prefixlru_5pct=… (the least over the workloads at 5 %) best_vs_prefixlru_5pct=… (the best policy other
 than lru and prefix-lru, on the mixed 16-token workload at 5 %) belady_vs_prefixlru_5pct=… (Belady without admission
-there: what any policy could win) prefixlru_vs_lru_1pct=… (the least over the workloads at 1 %)
+there: what any policy could win) prefixlru_vs_lru_1pct=… (the least over the workloads at 1 %) ssd_vs_lru_min=…
+(the SSD tier's order, ssd-log, over LRU at the same size: the least over every workload and capacity)
 engine_matches_sim=… (the least share of requests whose engine hit equals the simulation's: 1 when the engine is its
 policy) engine_replay_rps=… (the default policy at 5 %). `--quick` replays smaller workloads (smoke figures).
 """
@@ -43,6 +44,7 @@ PERCENTS = (1, 2, 5, 10, 20, 50)
 ENGINE_SHARES = (0.05, 0.15)  # of the distinct blocks, for the real engine's replay (at least 2 prompts' worth)
 BLOCK_TOKENS = (16, 512)
 FLOORS = ("lru", "prefix-lru")  # recency only: the policies the others are measured against
+MODELS = ("ssd-log",)  # the SSD tier's order, measured against LRU at its own size, not a candidate
 BELADY = ("belady", "belady+adm")
 
 
@@ -63,7 +65,7 @@ def run_case(requests: Sequence[Sequence[bytes]], capacity: int) -> dict[str, Si
 
 def best_other(results: dict[str, SimResult]) -> tuple[str, float]:
     """The policy (not a floor, not Belady) with the highest hit ratio, and that ratio over prefix-LRU's."""
-    name = max((n for n in POLICIES if n not in FLOORS), key=lambda n: results[n].ratio)
+    name = max((n for n in POLICIES if n not in FLOORS + MODELS), key=lambda n: results[n].ratio)
     return name, ratio(results[name].ratio, results["prefix-lru"].ratio)
 
 
@@ -197,6 +199,7 @@ def main(quick: bool = False) -> int:
         "best_vs_prefixlru_5pct": best_vs_floor,
         "belady_vs_prefixlru_5pct": ratio(at5["belady"].ratio, at5["prefix-lru"].ratio),
         "prefixlru_vs_lru_1pct": min(ratio(r[1]["prefix-lru"].ratio, r[1]["lru"].ratio) for r in runs.values()),
+        "ssd_vs_lru_min": min(ratio(r["ssd-log"].ratio, r["lru"].ratio) for by in runs.values() for r in by.values()),
         "engine_matches_sim": engine_matches,
         "engine_replay_rps": engine_rps,
     }

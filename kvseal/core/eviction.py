@@ -41,6 +41,11 @@ from kvseal.core.pages import PageTable
 
 EVICTION_POLICIES = ("prefix-slru", "prefix-lru", "lru")  # the first is the default
 PROTECTED_SHARE = 0.5  # prefix-slru: the share of a size class's pages its protected segment may hold
+# the SSD tier (kvseal.ssd.tier) writes a block read back from it again when its record is in the oldest
+# SSD_AGING_SHARE of its device's log: a FIFO log with this second chance hits 0.99-1.005 x what LRU of its size hits
+# on `kvseal bench hitrate`'s workloads (0.94-1.0 with a half), for 0.16-2.4 writes again per block written
+# (policies.SSDLog; docs/benchmarks.md)
+SSD_AGING_SHARE = 0.75
 
 
 class Eviction:

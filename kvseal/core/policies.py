@@ -25,6 +25,8 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from itertools import chain
 from typing import Protocol
 
+from kvseal.core.eviction import PROTECTED_SHARE, SSD_AGING_SHARE
+
 Key = bytes  # opaque: only hashed and compared for equality (TinyLFU also fingerprints it)
 
 
@@ -173,9 +175,8 @@ class PrefixSLRU(PrefixLRU):
     calls as PrefixLRU does. Memory: PrefixLRU's, and one flag per key (a second OrderedDict)."""
 
     name = "prefix-slru"
-    SHARE = 0.5  # protected's share of the capacity (the engine's PROTECTED_SHARE)
 
-    def __init__(self, capacity: int = 0, share: float = SHARE) -> None:
+    def __init__(self, capacity: int = 0, share: float = PROTECTED_SHARE) -> None:
         super().__init__(capacity)
         self._hot: OrderedDict[Key, None] = OrderedDict()  # protected, least recent first; _order is probation
         self._hot_cap = int(share * capacity)
@@ -261,6 +262,42 @@ class ColdStartLRU(PrefixLRU):
         for key in keys:
             order[key] = None
             order.move_to_end(key, last=False)
+
+
+class SSDLog(LRU):
+    """The SSD tier's order (kvseal.ssd.tier), block by block: a FIFO log (blocks written go to its head, the oldest
+    are reclaimed first), where a block hit while its record is in the oldest SSD_AGING_SHARE of the log is written
+    again at its head (second chance). A model for comparing the tier with LRU at its own size: the real log
+    reclaims whole segments and sees only the hits memory missed. Memory: LRU's, and a sequence number per key."""
+
+    name = "ssd-log"
+
+    def __init__(self, capacity: int = 0) -> None:
+        super().__init__(capacity)
+        self._written: dict[Key, int] = {}  # key -> when it was last written (a sequence number)
+        self._clock = 0
+        self.rewritten = 0  # blocks written again (the second chance's cost in writes)
+
+    def hit(self, keys: Sequence[Key]) -> None:
+        young = self._clock - round(len(self._order) * (1 - SSD_AGING_SHARE))
+        for key in keys:
+            if self._written[key] < young:
+                self._order.move_to_end(key)
+                self._written[key] = self._clock
+                self._clock += 1
+                self.rewritten += 1
+
+    def insert(self, keys: Sequence[Key]) -> None:
+        super().insert(keys)
+        for key in keys:
+            self._written[key] = self._clock
+            self._clock += 1
+
+    def evict(self, n: int, protected: Collection[Key]) -> list[Key]:
+        victims = super().evict(n, protected)
+        for key in victims:
+            del self._written[key]
+        return victims
 
 
 class _Sketch:
@@ -441,4 +478,5 @@ POLICIES: dict[str, Callable[[int], Policy]] = {
     "prefix-slru": PrefixSLRU,
     "prefix-cold": ColdStartLRU,
     "tinylfu": TinyLFU,
+    "ssd-log": SSDLog,
 }

@@ -124,7 +124,7 @@ def _ssd_metrics(t: TierStatistics) -> Iterator[Metric]:
     )
     yield CounterMetricFamily(
         "kvseal_ssd_reinserted",
-        "Blocks read from SSD in the older half of the log, written again so that they outlive their segment",
+        "Blocks read from SSD in the older part of the log, written again so that they outlive their segment",
         value=t.reinserted,
     )
     failures = CounterMetricFamily(

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvseal.core.eviction import SSD_AGING_SHARE
 from kvseal.core.layout import Layout
 from kvseal.ssd import format as fmt
 from kvseal.ssd.device import Device
@@ -66,7 +67,7 @@ class TierStatistics:
     read_bytes: int
     read_seconds: float
     skipped: int  # blocks not written: queues full or no device left to write
-    reinserted: int  # blocks hit on SSD in the older half of the log, taken to be written again (Tier.aging)
+    reinserted: int  # blocks hit on SSD in the older part of the log, taken to be written again (Tier.aging)
     verify_failures: dict[str, int]
     failed_devices: dict[str, str]  # device name -> the error that took it out of the write rotation
     direct: bool
@@ -92,8 +93,8 @@ class Tier(Protocol):
         ...
 
     def aging(self, key: NamespaceKey, hashes: Sequence[bytes]) -> list[int]:
-        """Positions of the `hashes` the tier holds in the older half of their device's log: the next reclaims
-        drop them unless they are written again (a block read from SSD is: `write(..., reinsert=True)`)."""
+        """Positions of the `hashes` the tier holds in the older part of their device's log (SSD_AGING_SHARE): the next
+        reclaims drop them unless they are written again (a block read from SSD is: `write(..., reinsert=True)`)."""
         ...
 
     def write(
@@ -240,14 +241,15 @@ class DiskTier:
         return n
 
     def aging(self, key: NamespaceKey, hashes: Sequence[bytes]) -> list[int]:
-        """Positions of the held `hashes` whose record is in the older half of its device's segments (by sequence
-        number: at least half the device's segments were started after it): second chance for blocks hit on SSD,
-        which the engine writes again instead of letting the log's FIFO reclaim drop them."""
+        """Positions of the held `hashes` whose record is in the oldest SSD_AGING_SHARE of its device's segments (by
+        sequence number: at least a quarter of the device's segments were started after it): second chance for
+        blocks hit on SSD, which the engine writes again instead of letting the log's FIFO reclaim drop them."""
         with self._lock:
             ns = self._index.get(key)
             if ns is None:
                 return []
-            newest = {w.number: w.next_seq - 1 - w.device.max_segments // 2 for w in self._writers}
+            young = {w.number: round(w.device.max_segments * (1 - SSD_AGING_SHARE)) for w in self._writers}
+            newest = {w.number: w.next_seq - 1 - young[w.number] for w in self._writers}
             out = []
             for i, block_hash in enumerate(hashes):
                 loc = ns.blocks.get(block_hash)
