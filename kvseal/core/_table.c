@@ -324,6 +324,67 @@ done:
     return out;
 }
 
+PyDoc_STRVAR(set_hot_doc, "set_hot(hot, pids, value) -> how many of the pages' hot flags changed to value");
+static PyObject *set_hot(PyObject *self, PyObject *args) {
+    PyObject *hot_obj, *pid_seq;
+    int value;
+    if (!PyArg_ParseTuple(args, "OOp", &hot_obj, &pid_seq, &value)) return NULL;
+    Arr a;
+    if (get(hot_obj, &a, 1, "hot") < 0) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = 0, *pids = NULL;
+    if ((pids = ids(pid_seq, a.n, &n)) == NULL) goto done;
+    int8_t *hot = I8(a);
+    Py_ssize_t changed = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (hot[pids[i]] != value) {
+            hot[pids[i]] = (int8_t)value;
+            changed++;
+        }
+    }
+    result = PyLong_FromSsize_t(changed);
+done:
+    PyMem_Free(pids);
+    PyBuffer_Release(&a.view);
+    return result;
+}
+
+PyDoc_STRVAR(demote_doc,
+             "demote(prev, next, hot, sentinel, probation, n) -> how many of the protected segment's least recently\n"
+             "used pages (at most n) became probation's most recently used (the sentinel between the segments moves\n"
+             "past each, which stops being hot)");
+static PyObject *demote(PyObject *self, PyObject *args) {
+    PyObject *o[3];
+    Py_ssize_t sentinel, probation, n;
+    if (!PyArg_ParseTuple(args, "OOOnnn", &o[0], &o[1], &o[2], &sentinel, &probation, &n)) return NULL;
+    Arr a[3];
+    static const Py_ssize_t sizes[3] = {4, 4, 1};
+    static const char *const names[3] = {"prev", "next", "hot"};
+    PyObject *result = NULL;
+    int got = get_all(o, a, sizes, names, 3);
+    if (got < 3 || check_sentinel(sentinel, a[0].n) < 0 || check_sentinel(probation, a[0].n) < 0) goto done;
+    int32_t *prev = I32(a[0]), *next = I32(a[1]);
+    int8_t *hot = I8(a[2]);
+    Py_ssize_t moved = 0;
+    while (moved < n) {
+        int32_t pid = prev[probation];
+        if (pid == sentinel) break;
+        hot[pid] = 0;
+        int32_t before = prev[pid], after = next[probation];
+        next[pid] = after; /* the probation sentinel leaves its place */
+        prev[after] = pid;
+        next[before] = (int32_t)probation; /* and goes in before pid */
+        prev[probation] = before;
+        next[probation] = pid;
+        prev[pid] = (int32_t)probation;
+        moved++;
+    }
+    result = PyLong_FromSsize_t(moved);
+done:
+    release(a, got);
+    return result;
+}
+
 PyDoc_STRVAR(open_doc,
              "open(state, ns_of, writers, slab_busy, slab_of, block_hash, pids, hashes, ns_id, writer_count):\n"
              "pages FREE -> INFLIGHT for hashes[k], each with writer_count open plans");
@@ -912,6 +973,8 @@ static PyMethodDef methods[] = {
     {"open", open_pages, METH_VARARGS, open_doc},
     {"gather", gather, METH_VARARGS, gather_doc},
     {"end_writes", end_writes, METH_VARARGS, end_writes_doc},
+    {"set_hot", set_hot, METH_VARARGS, set_hot_doc},
+    {"demote", demote, METH_VARARGS, demote_doc},
     {NULL, NULL, 0, NULL},
 };
 

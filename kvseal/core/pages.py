@@ -386,29 +386,40 @@ class PageTable:
         the protected segment when unpinned."""
         if not self.protected_share or not pids:
             return
-        hot = self.hot
-        newly = [pid for pid in pids if not hot[pid]]
-        for pid in newly:
-            hot[pid] = 1
-        self.hot_pages[self.slab_class[self.slab_of[pids[0]]]] += len(newly)
+        self.hot_pages[self.slab_class[self.slab_of[pids[0]]]] += self._set_hot(pids, True)
+
+    def _set_hot(self, pids: Sequence[int], value: bool) -> int:
+        """Sets the pages' hot flags to `value`; returns how many changed."""
+        hot, changed = self.hot, 0
+        for pid in pids:
+            if hot[pid] != value:
+                hot[pid] = value
+                changed += 1
+        return changed
 
     def _demote(self, c: int) -> None:
         """While class c has more hot pages than its protected share, the least recently used page of the protected
-        segment becomes the most recently used of probation (the sentinel between them moves past it); pinned hot
-        pages wait for their unpin."""
-        cap = int(self.protected_share * self.class_pages[c])
+        segment becomes the most recently used of probation; pinned hot pages wait for their unpin."""
+        excess = self.hot_pages[c] - int(self.protected_share * self.class_pages[c])
+        if excess > 0:
+            self.hot_pages[c] -= self._demote_pages(self.sentinel[c], self.probation[c], excess)
+
+    def _demote_pages(self, sentinel: int, probation: int, n: int) -> int:
+        """Up to n of the protected segment's least recently used pages stop being hot and become probation's most
+        recently used (the sentinel between the segments moves past each); returns how many."""
         prev, nxt, hot = self.prev, self.next, self.hot
-        sentinel, probation = self.sentinel[c], self.probation[c]
-        while self.hot_pages[c] > cap:
+        moved = 0
+        while moved < n:
             pid = prev[probation]
             if pid == sentinel:
                 break
             hot[pid] = 0
-            self.hot_pages[c] -= 1
             before, after = prev[pid], nxt[probation]
             nxt[pid], prev[after] = after, pid  # probation leaves its place
             nxt[before], prev[probation] = probation, before  # and goes in before pid
             nxt[probation], prev[pid] = pid, probation
+            moved += 1
+        return moved
 
     def _link_mru(self, pids: Sequence[int], sentinel: int) -> None:
         """Puts pages at the most recently used end of the segment `sentinel` heads (a class's `sentinel`: its
@@ -494,13 +505,9 @@ class PageTable:
         they may leave in one splice: `lru_tail` unless they span both segments (the least recently used pages
         run through probation first: the last of them hot means they do)."""
         c = self.slab_class[self.slab_of[pids[0]]]
-        hot = self.hot
         if self.hot_pages[c]:
-            lru_tail = lru_tail and not hot[pids[-1]]
-            cooled = [pid for pid in pids if hot[pid]]
-            for pid in cooled:
-                hot[pid] = 0
-            self.hot_pages[c] -= len(cooled)
+            lru_tail = lru_tail and not self.hot[pids[-1]]
+            self.hot_pages[c] -= self._set_hot(pids, False)
         return c, lru_tail
 
     # ---------------------------------------------------------------- reading
@@ -695,6 +702,14 @@ class NativePageTable(PageTable):
     def offsets(self, pids: Sequence[int]) -> list[int]:
         assert _table is not None
         return _table.gather(self.offset, pids)
+
+    def _set_hot(self, pids: Sequence[int], value: bool) -> int:
+        assert _table is not None
+        return _table.set_hot(self.hot, pids, value)
+
+    def _demote_pages(self, sentinel: int, probation: int, n: int) -> int:
+        assert _table is not None
+        return _table.demote(self.prev, self.next, self.hot, sentinel, probation, n)
 
 
 def page_table(
