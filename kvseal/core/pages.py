@@ -19,10 +19,12 @@ The state table (every transition there is, and who asks for it)
     seal           INFLIGHT -> SEALED (ring: MRU)  finish_save
     drop           INFLIGHT -> FREE                finish_save (nothing written), expire (see `stale`)
     pin / unpin    SEALED, pins +1 / -1            query, begin_load / finish_load, leases, pin_pages (an SSD write),
-                                                   begin_save / finish_save (prefix-lru: the held blocks a save names)
+                                                   begin_save / finish_save (prefix-*: the held blocks a save names)
     forget         SEALED, unpinned -> FREE        eviction.py only: purge, a slab's drain step, LRU eviction
                    (SEALED -> INFLIGHT at once)    LRU eviction for a save, which opens the pages in place
     mark_refill    INFLIGHT, refill flag on / off  begin_refill / finish_refill, abandon_refill
+    promote        SEALED (pinned), hot flag on    a counted query's hit (prefix-slru); the flag goes off when the
+                                                   protected segment overflows (demotion) or the page is forgotten
 
 - INFLIGHT pages are in their namespace's index (so workers of one instance fill the same page) but never answer
   queries; a refill's inflight pages carry the refill flag (a query may wait for them: they are being read from

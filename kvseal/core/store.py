@@ -68,7 +68,7 @@ from kvseal.errors import NotFound, quote
 class SavePlan:
     """Pages one worker must now write, as columns: positions[k] indexes the request's hashes, pages[k] is the
     page id written for it and offsets[k] that page's byte offset in the arena. `held`: sealed pages the save named,
-    pinned until it finishes (prefix-lru; else none)."""
+    pinned until it finishes (prefix-lru and prefix-slru; lru: none)."""
 
     namespace_id: int
     cell_mask: int
@@ -212,7 +212,7 @@ class BlockStore:
             offsets = self._pages.offsets(pids)
             return SavePlan(ns_id, cell_mask, list(range(len(pids))), pids, offsets, 0, n - len(pids))
         # blocks already held: a re-save, or the request's prefix named by the client; none is evicted to make room.
-        # prefix-lru pins the sealed ones until finish_save, which links them back after the new pages: they end
+        # prefix-lru and prefix-slru pin the sealed ones until finish_save, which links them back after the new pages: they end
         # the most recent, in order (a request's head, then its tail)
         held = [pid for pid in found if pid is not None]
         pinned = self._pages.sealed(held) if self._pages.tails_first else []
