@@ -212,11 +212,14 @@ class BlockStore:
             offsets = self._pages.offsets(pids)
             return SavePlan(ns_id, cell_mask, list(range(len(pids))), pids, offsets, 0, n - len(pids))
         # blocks already held: a re-save, or the request's prefix named by the client; none is evicted to make room.
-        # prefix-lru and prefix-slru pin the sealed ones until finish_save, which links them back after the new pages: they end
-        # the most recent, in order (a request's head, then its tail)
+        # prefix-lru and prefix-slru pin the sealed ones until finish_save, which links them back after the new
+        # pages (they end the most recent, in order: a request's head, then its tail); lru protects them
         held = [pid for pid in found if pid is not None]
-        pinned = self._pages.sealed(held) if self._pages.tails_first else []
-        self._pages.pin(pinned)
+        pinned: list[int] = []
+        if self._pages.tails_first:
+            pinned = self._pages.sealed(held)
+            self._pages.pin(pinned)
+            held = []  # pinned or inflight: none of them is in the ring
         while None in found:
             new = list(dict.fromkeys(h for h, pid in zip(hashes, found, strict=True) if pid is None))
             pids = allocate(c, len(new), budget, held)
