@@ -412,7 +412,8 @@ def help_defaults(command: str) -> dict[str, str | None]:
     """`kvseal <command> --help`'s options (--help aside) and the default each shows (None: it shows none)."""
     r = subprocess.run(
         [str(BIN / "kvseal"), command, "--help"],
-        env={k: v for k, v in os.environ.items() if k != "KVSEAL_TOKEN"},
+        # unwrapped: argparse would break a default such as prefix-slru at its hyphen
+        env={**{k: v for k, v in os.environ.items() if k != "KVSEAL_TOKEN"}, "COLUMNS": "10000"},
         capture_output=True,
         text=True,
         timeout=60,
