@@ -30,6 +30,7 @@ from kvseal.bench.hitsim import simulate
 from kvseal.bench.workload import MixedWorkload, Workload
 from kvseal.core.ghost import HyperLogLog, WhatIf, WhatIfEstimates
 from kvseal.core.policies import LRU, Policy
+from kvseal.wire.lane import HashArray
 
 # --- the HyperLogLog
 
@@ -57,6 +58,24 @@ def test_the_hyperloglog_counts_small_sets_nearly_exactly(n: int) -> None:
     for key in random_keys(n, seed=n):
         hll.add(key)
     assert abs(hll.estimate() / n - 1) <= 0.02
+
+
+def test_the_hyperloglog_counts_hash_lists_and_arrays_as_key_by_key() -> None:
+    keys = random_keys(5000, seed=7)
+    one_by_one, lists, arrays, mixed = HyperLogLog(), HyperLogLog(), HyperLogLog(), HyperLogLog()
+    for key in keys:
+        one_by_one.add(key)
+    for i in range(0, len(keys), 64):
+        lists.add_keys(keys[i : i + 64])  # deferred: one numpy pass per PENDING_KEYS keys
+        arrays.add_keys(HashArray(b"".join(keys[i : i + 64]), 0, 32, len(keys[i : i + 64])))
+        mixed.add_keys([keys[i][:20], *keys[i + 1 : i + 64]])  # lengths differ: key by key
+    assert lists.estimate() == arrays.estimate() == one_by_one.estimate()
+    assert lists._registers == arrays._registers == one_by_one._registers
+    reference = HyperLogLog()
+    for i in range(0, len(keys), 64):
+        for key in [keys[i][:20], *keys[i + 1 : i + 64]]:
+            reference.add(key)
+    assert mixed._registers == reference._registers
 
 
 def test_the_hyperloglog_takes_short_keys_and_checks_its_precision() -> None:

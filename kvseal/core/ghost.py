@@ -80,7 +80,7 @@ def _fingerprints(keys: Sequence[bytes]) -> list[int]:
     return fps
 
 
-PENDING_KEYS = 4096  # hash-array keys HyperLogLog.add_keys lets wait before counting them in one pass
+PENDING_KEYS = 4096  # keys HyperLogLog.add_keys lets wait (hash arrays, hash lists) before counting them in one pass
 
 
 class HyperLogLog:
@@ -118,21 +118,26 @@ class HyperLogLog:
 
     def add_keys(self, keys: Sequence[bytes]) -> None:
         """Counts every key as `add` does. A hash array of at least 16 bytes per key (as kvseal.wire.lane.HashArray:
-        n keys of `size` bytes back to back in `buffer` from `offset`) is copied aside in one piece and counted
-        with others in one numpy pass once PENDING_KEYS are waiting (or `estimate` is asked), so that a lane
-        query's misses cost no Python per block and no numpy call per query; other keys are counted one by one."""
+        n keys of `size` bytes back to back in `buffer` from `offset`), or keys all of one length of at least 16
+        bytes (a list of block hashes), is copied aside in one piece and counted with others in one numpy pass once
+        PENDING_KEYS are waiting (or `estimate` is asked), so that a query's misses cost no Python per block and no
+        numpy call per query; other keys (short ones, of mixed lengths) are counted one by one."""
+        n = len(keys)
+        if not n:
+            return
         buffer, size = getattr(keys, "buffer", None), getattr(keys, "size", 0)
-        if buffer is None or not isinstance(size, int) or size < 16:
+        if buffer is not None and isinstance(size, int) and size >= 16:
+            offset = int(getattr(keys, "offset", 0))
+            self._pending.append((bytes(memoryview(buffer)[offset : offset + n * size]), size))
+        elif buffer is None and len(sizes := set(map(len, keys))) == 1 and (size := sizes.pop()) >= 16:
+            self._pending.append((b"".join(keys), size))
+        else:
             for key in keys:
                 self.add(key)
             return
-        n = len(keys)
-        if n:
-            offset = int(getattr(keys, "offset", 0))
-            self._pending.append((bytes(memoryview(buffer)[offset : offset + n * size]), size))
-            self._pending_keys += n
-            if self._pending_keys >= PENDING_KEYS:
-                self._count_pending()
+        self._pending_keys += n
+        if self._pending_keys >= PENDING_KEYS:
+            self._count_pending()
 
     def _count_pending(self) -> None:
         """Counts the waiting hash arrays' keys, each key's bytes 8..16 as `add` reads them, one pass per key size."""
