@@ -396,6 +396,20 @@ def test_close_and_reopen_in_a_loop_never_shows_a_phantom_nor_loses_an_acknowled
     assert rewritten > 0
 
 
+def test_blocks_in_the_newest_segment_are_never_written_again() -> None:
+    """A log of two segments: a quarter of it rounds to one segment, the newest, whose blocks are young (writing
+    them again would start a segment and reclaim the other, which holds everything else)."""
+    t = Harness([MemoryDevice(2 * SEGMENT, SEGMENT)])
+    hs = hashes("young", 4)
+    assert t.write(BASE, hs)
+    assert t.tier.aging(key(BASE), hs) == []
+    t.close()
+    t = Harness([MemoryDevice(8 * SEGMENT, SEGMENT)])
+    assert t.write(BASE, hs)
+    assert t.tier.aging(key(BASE), hs) == []
+    t.close()
+
+
 def test_a_purged_namespace_stays_gone_after_a_restart_and_new_blocks_come_back() -> None:
     dev = MemoryDevice(4 << 20, SEGMENT)
     t = Harness([dev])

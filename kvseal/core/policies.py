@@ -20,6 +20,7 @@ here is thread-safe.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
 from itertools import chain
@@ -279,7 +280,7 @@ class SSDLog(LRU):
         self.rewritten = 0  # blocks written again (the second chance's cost in writes)
 
     def hit(self, keys: Sequence[Key]) -> None:
-        young = self._clock - round(len(self._order) * (1 - SSD_AGING_SHARE))
+        young = self._clock - math.ceil(len(self._order) * (1 - SSD_AGING_SHARE))
         for key in keys:
             if self._written[key] < young:
                 self._order.move_to_end(key)

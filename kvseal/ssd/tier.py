@@ -25,6 +25,7 @@ first (a prompt's head: every later hit needs it, so it is the most likely reuse
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -242,13 +243,15 @@ class DiskTier:
 
     def aging(self, key: NamespaceKey, hashes: Sequence[bytes]) -> list[int]:
         """Positions of the held `hashes` whose record is in the oldest SSD_AGING_SHARE of its device's segments (by
-        sequence number: at least a quarter of the device's segments were started after it): second chance for
+        sequence number: at least a quarter of the device's segments, and one, were started after it): second chance for
         blocks hit on SSD, which the engine writes again instead of letting the log's FIFO reclaim drop them."""
         with self._lock:
             ns = self._index.get(key)
             if ns is None:
                 return []
-            young = {w.number: round(w.device.max_segments * (1 - SSD_AGING_SHARE)) for w in self._writers}
+            # at least the newest segment is young: in a log of a few segments a block written again would otherwise
+            # reclaim the segment that holds everything else
+            young = {w.number: math.ceil(w.device.max_segments * (1 - SSD_AGING_SHARE)) for w in self._writers}
             newest = {w.number: w.next_seq - 1 - young[w.number] for w in self._writers}
             out = []
             for i, block_hash in enumerate(hashes):
