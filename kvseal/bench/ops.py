@@ -13,7 +13,8 @@ scaling   1, then 2 client processes at once, each looping Save + Query + Load o
           a few seconds: calls/s together, and 2 clients / 1.
 replay    kvseal.bench.workload's multi-turn chats over shared system prompts, 16- and 512-token blocks, one
           client driving a fresh engine as vLLM's connector does: Query the prompt's blocks, Load the hit, Save
-          the rest. Requests/s, and the engine's CPU per request (from /proc).
+          the prompt (the hit named: the engine copies the rest). Requests/s, and the engine's CPU per request
+          (from /proc).
 baseline  --baseline REV: latency, scaling and replay also against the engine of REV, installed into a temporary
           venv (kvseal.bench.baseline says how), first, in the same run. PING is new: the floor comes from this
           engine.
@@ -158,8 +159,7 @@ def _replay(client: EngineClient, key: tuple[str, int, int], requests: list[list
         hits, lease, *_ = lane.decode_query_ok(call(lane.encode_query(key[0], hashes)))
         if hits:
             call(lane.encode_load(key, hashes[:hits], ids[:hits], lease))
-        if hits < n:
-            call(lane.encode_save(key, hashes[hits:], ids[hits:n]))
+        call(lane.encode_save(key, hashes, ids[:n]))  # the prompt, its hit named (as the connector's first save)
         blocks += n
         hit += hits
     return {"requests": len(requests), "seconds": time.perf_counter() - start, "blocks": blocks, "hits": hit}
