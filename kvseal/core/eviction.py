@@ -19,8 +19,8 @@ store hits what the simulation says, request by request.
   segment, which holds at most PROTECTED_SHARE of the class's pages (its least recent pages go back to
   probation's most recent end); eviction takes probation's least recent pages first. A block hit once outlives
   every block never hit: one-off prompts and finished conversations cannot push out what prompts share. On the
-  hit-ratio workloads it is 1.04-1.20 x prefix-lru at 1-5 % of the distinct blocks and 0.994-1.01 x above
-  (docs/benchmarks.md), hence the default.
+  hit-ratio workloads it is 1.06-1.20 x prefix-lru at 1-2 % of the distinct blocks, 1.008-1.06 x at 5 % and
+  0.994-1.013 x above (docs/benchmarks.md), hence the default.
 - "lru": a hit (a query's lease or a load, once unpinned) or a seal makes a page the most recently used, in list
   order: a prompt's last block ends the most recent, its first is evicted first. A re-save of a held block does
   not refresh it.
@@ -42,7 +42,7 @@ from kvseal.core.pages import PageTable
 EVICTION_POLICIES = ("prefix-slru", "prefix-lru", "lru")  # the first is the default
 PROTECTED_SHARE = 0.5  # prefix-slru: the share of a size class's pages its protected segment may hold
 # the SSD tier (kvseal.ssd.tier) writes a block read back from it again when its record is in the oldest
-# SSD_AGING_SHARE of its device's log: a FIFO log with this second chance hits 0.99-1.005 x what LRU of its size hits
+# SSD_AGING_SHARE of its device's log: a FIFO log with this second chance hits 0.99-1.006 x what LRU of its size hits
 # on `kvseal bench hitrate`'s workloads (0.94-1.0 with a half), for 0.16-2.4 writes again per block written
 # (policies.SSDLog; docs/benchmarks.md)
 SSD_AGING_SHARE = 0.75

@@ -118,10 +118,10 @@ class Tiers:
     # ---------------------------------------------------------------- write-through
 
     def write_through(self, key: NamespaceKey, layout: Layout, pages: list[int], *, reinsert: bool = False) -> None:
-        """Hands freshly sealed pages (in prompt order) the SSD does not hold to its writers, pinned until written (a
-        burst: the leading ones the queues have room for); `reinsert`: pages
-        just read from SSD whose records are aging (Tier.aging), written again so that a block hit on SSD
-        outlives the segment it was in (second chance, instead of the log's FIFO). Under the lock."""
+        """Hands freshly sealed pages (in prompt order) the SSD does not hold to its writers, pinned until written;
+        under a burst the tier takes the leading ones its queues have room for. `reinsert`: pages just read from
+        SSD whose records are aging (Tier.aging), written again so that a block hit on SSD outlives the segment it
+        was in (second chance, instead of the log's FIFO). Under the lock."""
         if not pages:
             return
         hashes = self.store.page_hashes(pages)
@@ -139,7 +139,7 @@ class Tiers:
                 self.store.unpin_pages(pages[:taken])
 
         taken = self.ssd.write(key, layout, items, written, reinsert=reinsert)
-        self.store.unpin_pages(pages[taken:])  # under a burst the tier takes the leading blocks it has room for
+        self.store.unpin_pages(pages[taken:])
 
     # ---------------------------------------------------------------- where a miss continues
 
