@@ -228,6 +228,7 @@ OPS_KEYS = (
     "two_clients_ratio",
     "replay16_rps",
     "replay512_rps",
+    "loop_vs_baseline",
     "replay16_vs_baseline",
     "replay512_vs_baseline",
 )

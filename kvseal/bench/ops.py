@@ -10,20 +10,20 @@ latency   one client process (its own instance, one 4 KiB layer), per batch of 1
           send; the engine reads none of it). Each kind timed in a run of its own, right after another call
           (_latency says why). Median µs per call; frames are encoded before the clock starts.
 scaling   1, then 2 client processes at once, each looping Save + Query + Load of `SCALE_BATCH` fresh hashes for
-          a few seconds: calls/s together, and 2 clients / 1.
+          a few seconds against a fresh engine (the pool fills and evicts): calls/s together, and 2 clients / 1.
 replay    kvseal.bench.workload's multi-turn chats over shared system prompts, 16- and 512-token blocks, one
           client driving a fresh engine as vLLM's connector does: Query the prompt's blocks, Load the hit, Save
           the prompt (the hit named: the engine copies the rest). Requests/s, and the engine's CPU per request
           (from /proc).
 baseline  --baseline REV: latency, scaling and replay also against the engine of REV, installed into a temporary
-          venv (kvseal.bench.baseline says how), in the same run: its latency and scaling first, then the
-          replays of both engines alternating, REPLAY_ROUNDS rounds, each engine's best round (the least
-          disturbed: a shared machine only ever slows a run) compared. PING is new: the floor comes from this
-          engine.
+          venv (kvseal.bench.baseline says how), in the same run: both engines' latency, then their scaling and
+          replays alternating, ROUNDS rounds, each engine's best round (the least disturbed: a shared machine
+          only ever slows a run) compared. PING is new: the floor comes from this engine.
 
 Last line: RESULT query_1024_vs_ping=… save_1024_vs_ping=… load_1024_vs_ping=… two_clients_ratio=…
-replay16_rps=… replay512_rps=… [replay16_vs_baseline=… replay512_vs_baseline=…] (x_vs_ping: the call's median
-over the PING of its own frame size; two_clients_ratio at SCALE_BATCH).
+replay16_rps=… replay512_rps=… [loop_vs_baseline=… replay16_vs_baseline=… replay512_vs_baseline=…] (x_vs_ping:
+the call's median over the PING of its own frame size; two_clients_ratio at SCALE_BATCH; loop_vs_baseline: 1
+client's calls/s).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ SCALE_BATCH = 64
 PAGE = 4096
 NUM_BLOCKS = 4096  # the client's KV blocks (the largest batch)
 POOL = 256 * MiB
-REPLAY_ROUNDS = 3  # with --baseline: replays of each engine, alternating; each engine's best round counts
+ROUNDS = 3  # with --baseline: loops and replays of each engine, alternating; each engine's best round counts
 LAYER = "model.layers.0.self_attn.attn"
 
 
@@ -208,19 +208,27 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure_calls(workdir: Path, label: str, python: str, quick: bool, ping: bool, cwd: Path | None) -> dict[str, Any]:
-    """Latency and scaling of one engine (this one, or a baseline's run by `python` in `cwd`)."""
-    out: dict[str, Any] = {}
+def measure_latency(workdir: Path, label: str, python: str, quick: bool, ping: bool, cwd: Path | None) -> dict:
+    """Median µs per call of one engine (this one, or a baseline's run by `python` in `cwd`), by kind and batch."""
     engine = start_engine(workdir, f"engine-{label}", POOL, python=python, cwd=cwd)
     try:
         engine.wait_ready(START_TIMEOUT_S)
         reps = 20 if quick else 200
         spec = {"target": engine.target, "mode": "latency", "batches": list(BATCHES), "reps": reps, "ping": ping}
         (latency,) = Clients([dict(spec, instance=f"{label}-lat")]).run()
-        out["latency"] = {op: {int(b): us for b, us in by_batch.items()} for op, by_batch in latency.items()}
-        seconds = 1.0 if quick else 4.0
+    finally:
+        engine.stop()
+    return {op: {int(b): us for b, us in by_batch.items()} for op, by_batch in latency.items()}
+
+
+def measure_loops(workdir: Path, label: str, python: str, quick: bool, cwd: Path | None) -> dict[str, float]:
+    """Calls/s of Save + Query + Load in a loop against a fresh engine, from 1 and from 2 client processes."""
+    out: dict[str, float] = {}
+    engine = start_engine(workdir, f"engine-{label}", POOL, python=python, cwd=cwd)
+    try:
+        engine.wait_ready(START_TIMEOUT_S)
+        loop = {"target": engine.target, "mode": "loop", "batch": SCALE_BATCH, "seconds": 1.0 if quick else 4.0}
         for n in (1, 2):
-            loop = {"target": engine.target, "mode": "loop", "batch": SCALE_BATCH, "seconds": seconds}
             results = Clients([dict(loop, instance=f"{label}-loop{n}-{i}") for i in range(n)]).run()
             out[f"calls_per_s_{n}"] = sum(r["calls"] / r["seconds"] for r in results)
     finally:
@@ -248,6 +256,11 @@ def _rps(r: dict[str, Any]) -> float:
     return r["requests"] / r["seconds"]
 
 
+def _score(figure: float | dict[str, Any]) -> float:
+    """What makes a round's figure the best: calls/s, or a replay's requests/s."""
+    return figure if isinstance(figure, float) else _rps(figure)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kvseal bench ops")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and a smaller workload (smoke)")
@@ -267,17 +280,20 @@ def main(argv: list[str]) -> int:
             where = workdir / "baseline"
             engines[args.baseline] = (baseline.install(args.baseline, where), where)
         engines["now"] = (sys.executable, None)
-        for label, (python, cwd) in engines.items():
-            runs[label] = measure_calls(workdir, label, python, args.quick, ping=label == "now", cwd=cwd)
         workload = Workload(conversations=60 if args.quick else 300)
-        rounds = REPLAY_ROUNDS if args.baseline and not args.quick else 1
+        rounds = ROUNDS if args.baseline and not args.quick else 1
+        for label, (python, cwd) in engines.items():
+            runs[label] = {"latency": measure_latency(workdir, label, python, args.quick, label == "now", cwd)}
         for i in range(rounds):  # the engines alternate, so that a disturbance falls on both
             for label, (python, cwd) in engines.items():
+                figures: dict[str, Any] = measure_loops(workdir, f"{label}-{i}", python, args.quick, cwd)
                 for bt in (16, 512):
-                    r = measure_replay(workdir, f"{label}-replay{bt}-{i}", python, cwd, bt, workload)
-                    runs[label].setdefault(f"replay{bt}_rps_all", []).append(_rps(r))
-                    if i == 0 or _rps(r) > _rps(runs[label][f"replay{bt}"]):
-                        runs[label][f"replay{bt}"] = r
+                    figures[f"replay{bt}"] = measure_replay(
+                        workdir, f"{label}-replay{bt}-{i}", python, cwd, bt, workload
+                    )
+                runs[label].setdefault("rounds", []).append(figures)
+        for run in runs.values():
+            run.update({name: max((f[name] for f in run["rounds"]), key=_score) for name in run["rounds"][0]})
     now = runs["now"]
     report(runs)
     lat = now["latency"]
@@ -291,6 +307,7 @@ def main(argv: list[str]) -> int:
         r = now[f"replay{bt}"]
         result[f"replay{bt}_rps"] = _rps(r)
     if args.baseline:
+        result["loop_vs_baseline"] = now["calls_per_s_1"] / runs[args.baseline]["calls_per_s_1"]
         for bt in (16, 512):
             before = runs[args.baseline][f"replay{bt}"]
             result[f"replay{bt}_vs_baseline"] = result[f"replay{bt}_rps"] / _rps(before)
@@ -323,12 +340,13 @@ def report(runs: dict[str, dict[str, Any]]) -> None:
     print(f"\nscaling: Save + Query + Load of {SCALE_BATCH} fresh hashes in a loop, calls/s")
     for label, r in runs.items():
         one, two = r["calls_per_s_1"], r["calls_per_s_2"]
-        print(f"  {label:>12}: 1 client {one:,.0f}   2 clients {two:,.0f}   ratio {two / one:.2f}")
+        rounds = "; ".join(f"{f['calls_per_s_1']:,.0f}, {f['calls_per_s_2']:,.0f}" for f in r["rounds"])
+        print(f"  {label:>12}: 1 client {one:,.0f}   2 clients {two:,.0f}   ratio {two / one:.2f}   (rounds: {rounds})")
     print("\nreplay: multi-turn chats over shared system prompts, one client, a fresh engine each")
     for bt in (16, 512):
         for label, r in runs.items():
             x = r[f"replay{bt}"]
-            rounds = ", ".join(f"{rps:,.0f}" for rps in r[f"replay{bt}_rps_all"])
+            rounds = ", ".join(f"{_rps(f[f'replay{bt}']):,.0f}" for f in r["rounds"])
             print(
                 f"  {bt:>3}-token blocks {label:>12}: {x['requests']} requests, {x['blocks'] / x['requests']:.0f} "
                 f"blocks each, hit {x['hits'] / x['blocks']:.3f}: {_rps(x):,.0f} requests/s (rounds: {rounds}), "
