@@ -125,6 +125,26 @@ ghost_ops = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(capacity=st.integers(0, 5), ops=ghost_ops)
 def test_the_ghost_is_the_newest_evicted_blocks(capacity: int, ops: list[tuple[str, object]]) -> None:
+    matches_the_model(capacity, ops, UNIVERSE)
+
+
+def test_the_ghost_is_the_newest_evicted_blocks_over_long_runs() -> None:
+    """Thousands of calls, so that the ghost's log is cut many times with entries left inside it."""
+    rng = random.Random(7)
+    universe = list(range(300))
+    ops: list[tuple[str, object]] = []
+    for _ in range(3000):
+        roll = rng.random()
+        if roll < 0.02:
+            ops.append(("resize", rng.randint(0, 60)))
+        else:
+            op = "evicted" if roll < 0.7 else "stored"
+            ops.append((op, [rng.choice(universe) for _ in range(rng.randint(0, 40))]))
+    matches_the_model(40, ops, universe)
+
+
+def matches_the_model(capacity: int, ops: list[tuple[str, object]], universe: list[int]) -> None:
+    """After each call, the ghost's tiers are those of a list of the evicted blocks, newest first."""
     whatif = WhatIf(capacity)
     model: list[int] = []  # the ghost, newest first
     for op, arg in ops:
@@ -142,7 +162,7 @@ def test_the_ghost_is_the_newest_evicted_blocks(capacity: int, ops: list[tuple[s
                     model.insert(0, i)
         del model[3 * capacity :]
         assert len(whatif) == len(model) <= 3 * capacity
-        for i in UNIVERSE:
+        for i in universe:
             rank = model.index(i) if i in model else None
             expected = 0 if rank is None else 2 if rank < capacity else 4
             assert whatif.tier(key(i)) == expected

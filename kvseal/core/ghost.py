@@ -27,12 +27,16 @@ new one.
 
 Ghost entries are 8-byte fingerprints of the block hashes (their first 8 bytes as an int): block hashes are
 already uniformly random (blake2b / sha256 chains), so no further hashing is needed, and a false match among
-3C entries has probability about 3C / 2^64 per lookup. `near` and `far` are OrderedDicts (fingerprint -> None,
-oldest first): insert, lookup, removal and moving the oldest `near` entry to `far` are O(1).
-Memory per ghost entry, measured with tracemalloc (4C evictions into a full ghost, C = 1k..150k): 125 to 190
-bytes, with the dicts' fill: the OrderedDict's dict entry, index slot and linked-list node, and the 36-byte int
-fingerprint (40 with the allocator's rounding). So 3C entries cost up to about 570 bytes per pool block, next to
-the block itself (KiBs to MiBs).
+3C entries has probability about 3C / 2^64 per lookup. The ghost is a log of fingerprints in eviction order with
+a live flag each (a bytearray) and a dict fingerprint -> its latest eviction's sequence; `near` and `far` are
+where they begin in the log. An entry that leaves (evicted again, or stored) only has its flag cleared; moving
+where near or far begins skips cleared entries (bytearray.find), so an eviction costs a dict insert, a log append
+and, per entry moved out of the ghost, a dict delete (0.4 us a block evicted with C = 65,536; two OrderedDicts
+took 1 us); the log is cut when more than half of it is older than far.
+Memory per ghost entry, measured with tracemalloc (4C evictions into a full ghost, C = 1k..150k): 136 to 142
+bytes: the dict's entry and index slot, the int fingerprint and sequence (32-36 bytes each), the log's slot and
+flag, and the log's cut-off tail. So 3C entries cost about 430 bytes per pool block, next to the block itself
+(KiBs to MiBs).
 
 No eviction (a HyperLogLog). With an unbounded pool every block seen before is resident, so a request misses
 exactly its blocks never seen before: in a hash chain a block's hash covers every block before it, so once a
@@ -53,7 +57,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -189,12 +192,16 @@ class WhatIfEstimates:
 
 class WhatIf:
     """One namespace's what-if hit ratios (the module docstring says how). `capacity`: the blocks the pool holds
-    for the namespace now. Memory: up to 3 x capacity ghost entries (125 to 190 bytes each) and 4 KiB."""
+    for the namespace now. Memory: up to 3 x capacity ghost entries (136 to 142 bytes each) and 4 KiB."""
 
     def __init__(self, capacity: int) -> None:
         self._capacity = self._checked(capacity)
-        self._near: OrderedDict[int, None] = OrderedDict()  # the newest `capacity` ghost entries, oldest first
-        self._far: OrderedDict[int, None] = OrderedDict()  # the next 2 x capacity, oldest first
+        self._log: list[int] = []  # fingerprints in eviction order, oldest first; entry i has sequence _base + i
+        self._live = bytearray()  # per log entry, 1 while it is in the ghost (not evicted again since, nor stored)
+        self._base = 0
+        self._ghost: dict[int, int] = {}  # fingerprint -> the sequence of its latest eviction (the live entries)
+        self._near_from = self._far_from = 0  # sequences where near and far begin (live entries below: none)
+        self._n_near = self._n_far = 0
         self._distinct = HyperLogLog()
         self._lookups = self._hits = self._hits_2x = self._hits_4x = 0
 
@@ -210,7 +217,7 @@ class WhatIf:
 
     def __len__(self) -> int:
         """Ghost entries held (at most 3 x capacity)."""
-        return len(self._near) + len(self._far)
+        return self._n_near + self._n_far
 
     def resize(self, capacity: int) -> None:
         """The pool now holds `capacity` blocks for the namespace: the ghost is re-split (and trimmed, oldest
@@ -221,8 +228,8 @@ class WhatIf:
     def tier(self, key: bytes) -> int:
         """Where the ghost has `key`: 2 if among the newest capacity entries (a 2x pool holds it), 4 if among the
         next 2 x capacity (only a 4x pool does), 0 if not in the ghost."""
-        fp = _fingerprint(key)
-        return 2 if fp in self._near else 4 if fp in self._far else 0
+        seq = self._ghost.get(_fingerprint(key))
+        return 0 if seq is None else 2 if seq >= self._near_from else 4
 
     def observe(self, keys: Sequence[bytes], hit: int, held: Callable[[bytes], bool] | None = None) -> None:
         """A request's block hashes in prompt order and its hit (its leading resident blocks; clamped to
@@ -234,70 +241,120 @@ class WhatIf:
         self._lookups += n
         self._hits += hit
         self._distinct.add_keys(keys[hit:])
-        near, far = self._near, self._far
-        if held is None and not near and not far:  # nothing evicted: a larger pool hits no more
+        ghost, near_from = self._ghost, self._near_from
+        if held is None and not ghost:  # nothing evicted: a larger pool hits no more
             self._hits_2x += hit
             self._hits_4x += hit
             return
         i = hit
         while i < n:
             key = keys[i]
-            if _fingerprint(key) in near or (held is not None and held(key)):
+            if ghost.get(_fingerprint(key), -1) >= near_from or (held is not None and held(key)):
                 i += 1
             else:
                 break
         self._hits_2x += i
         while i < n:
             key = keys[i]
-            fp = _fingerprint(key)
-            if fp in near or fp in far or (held is not None and held(key)):
+            if _fingerprint(key) in ghost or (held is not None and held(key)):
                 i += 1
             else:
                 break
         self._hits_4x += i
 
     def evicted(self, keys: Sequence[bytes]) -> None:
-        """Blocks the pool just evicted, in eviction order: they become the ghost's newest entries."""
+        """Blocks the pool just evicted, in eviction order: they become the ghost's newest entries (a block
+        evicted again without `stored` in between moves to the newest end; one evicted twice in a batch counts
+        its last eviction)."""
         if not keys:
             return
-        near, far = self._near, self._far
+        ghost, log = self._ghost, self._log
         fps = _fingerprints(keys)
-        for fp in near.keys() & fps:  # evicted again without `stored` in between: it moves to the newest end
-            del near[fp]
-        for fp in far.keys() & fps:
-            del far[fp]
-        if len(set(fps)) < len(fps):  # a key evicted twice in one batch: its last eviction counts
-            fps = list(dict.fromkeys(reversed(fps)))[::-1]
-        near.update(dict.fromkeys(fps))
+        if not ghost.keys().isdisjoint(fps):  # evicted again without `stored` in between: it leaves its old place
+            for fp in fps:
+                if fp in ghost:
+                    self._forget(ghost.pop(fp))
+        start, held = self._base + len(log), len(ghost)
+        ghost.update(zip(fps, range(start, start + len(fps)), strict=True))
+        log += fps
+        self._n_near += len(ghost) - held
+        if len(ghost) - held == len(fps):
+            self._live += b"\x01" * len(fps)
+        else:  # a fingerprint twice in the batch: its last eviction counts
+            self._live += bytes(ghost[fp] == start + k for k, fp in enumerate(fps))
         self._balance()
 
     def stored(self, keys: Sequence[bytes]) -> None:
         """Blocks the pool just stored: they leave the ghost (they are resident again)."""
-        near, far = self._near, self._far
-        if not near and not far:  # nothing evicted yet, or all of it stored again
+        ghost = self._ghost
+        if not ghost:  # nothing evicted yet, or all of it stored again
             return
-        fps = _fingerprints(keys)
-        back = [near.keys() & fps, far.keys() & fps]
-        if back[0] or back[1]:
-            for segment, found in zip((near, far), back, strict=True):
-                for fp in found:
-                    del segment[fp]
+        pop, left = ghost.pop, False
+        for fp in _fingerprints(keys):
+            seq = pop(fp, None)
+            if seq is not None:
+                self._forget(seq)
+                left = True
+        if left:
             self._balance()
 
+    def _forget(self, seq: int) -> None:
+        """The entry of sequence `seq` has just left the ghost (its block evicted again, or stored)."""
+        self._live[seq - self._base] = 0
+        if seq >= self._near_from:
+            self._n_near -= 1
+        else:
+            self._n_far -= 1
+
     def _balance(self) -> None:
-        """Restores near = the newest capacity entries and far = at most the next 2 x capacity."""
-        near, far, capacity = self._near, self._far, self._capacity
-        if len(near) > capacity:  # near's oldest become far's newest, in order
-            pop = near.popitem
-            far.update(dict.fromkeys([pop(last=False)[0] for _ in range(len(near) - capacity)]))
-        while len(near) < capacity and far:
-            fp = far.popitem(last=True)[0]
-            near[fp] = None
-            near.move_to_end(fp, last=False)
-        if len(far) > 2 * capacity:
-            pop = far.popitem
-            for _ in range(len(far) - 2 * capacity):
-                pop(last=False)
+        """Restores near = the newest capacity entries and far = at most the next 2 x capacity, by moving where
+        near and far begin over the log, skipping the entries that left."""
+        capacity, log, live, base = self._capacity, self._log, self._live, self._base
+        n_near, n_far, near = self._n_near, self._n_far, self._near_from - base  # near, far: log indexes
+        far = self._far_from - base
+        find = live.find
+        if n_near > capacity:  # near's oldest become far's newest
+            k = n_near - capacity
+            if live.count(1, near, near + k) == k:  # none left in between: one step
+                near += k
+            else:
+                for _ in range(k):
+                    near = find(1, near) + 1
+            n_near, n_far = capacity, n_far + k
+        while n_near < capacity and n_far:  # far's newest becomes near's oldest
+            near = live.rfind(1, 0, near)
+            n_near += 1
+            n_far -= 1
+        if n_far > 2 * capacity:  # far's oldest leave
+            ghost, k = self._ghost, n_far - 2 * capacity
+            if live.count(1, far, far + k) == k:  # none left in between: one step
+                for fp in log[far : far + k]:
+                    del ghost[fp]
+                live[far : far + k] = bytes(k)
+                far += k
+            else:
+                for _ in range(k):
+                    far = find(1, far)
+                    del ghost[log[far]]
+                    live[far] = 0
+                    far += 1
+            n_far = 2 * capacity
+        if not n_far:
+            far = near
+        if not n_near and not n_far:
+            far = near = len(log)
+        if far > 1024 and far * 2 > len(log):  # no entry older than far is live
+            del log[:far], live[:far]
+            base += far
+            near -= far
+            far = 0
+        self._base, self._n_near, self._n_far, self._near_from, self._far_from = (
+            base,
+            n_near,
+            n_far,
+            near + base,
+            far + base,
+        )
 
     def estimates(self) -> WhatIfEstimates:
         """The counts and ratios so far: ratio <= ratio_2x <= ratio_4x <= ratio_unbounded."""
