@@ -17,7 +17,7 @@ replay    kvseal.bench.workload's multi-turn chats over shared system prompts, 1
           (from /proc).
 baseline  --baseline REV: latency, scaling and replay also against the engine of REV, installed into a temporary
           venv (kvseal.bench.baseline says how), in the same run: both engines' latency, then their scaling and
-          replays alternating, ROUNDS rounds, each engine's best round (the least disturbed: a shared machine
+          replays alternating, ROUNDS rounds, each figure's best round per engine (the least disturbed: a shared machine
           only ever slows a run) compared. PING is new: the floor comes from this engine.
 
 Last line: RESULT query_1024_vs_ping=… save_1024_vs_ping=… load_1024_vs_ping=… two_clients_ratio=…
@@ -51,7 +51,7 @@ SCALE_BATCH = 64
 PAGE = 4096
 NUM_BLOCKS = 4096  # the client's KV blocks (the largest batch)
 POOL = 256 * MiB
-ROUNDS = 3  # with --baseline: loops and replays of each engine, alternating; each engine's best round counts
+ROUNDS = 3  # with --baseline: loops and replays of each engine, alternating; each figure's best round counts
 LAYER = "model.layers.0.self_attn.attn"
 
 
