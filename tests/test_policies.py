@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvseal.bench.hitsim import belady, simulate
-from kvseal.bench.workload import MixedWorkload, Workload
-from kvseal.core.policies import LRU, POLICIES, PrefixLRU, _Sketch
+from kvseal.bench.workload import ChatTrace, MixedWorkload, Workload
+from kvseal.core.policies import LRU, POLICIES, AdaptiveSLRU, PrefixLRU, _Sketch
 
 UNIVERSE = [bytes([i]) for i in range(10)]
 CAPACITY = 6
@@ -187,3 +187,74 @@ def test_the_chat_workload_is_unchanged() -> None:
     assert (
         hashlib.sha256(b"".join(flat)).hexdigest() == "61bea35e718b514e766540ebd787203b067e520964dbef1cbff81830551fce9b"
     )
+
+
+def chain(prefix: bytes, n: int) -> list[bytes]:
+    """A request of n blocks whose keys are unique to `prefix`."""
+    return [prefix + i.to_bytes(2, "little") for i in range(n)]
+
+
+def test_the_adaptive_share_falls_to_prefix_lru_where_recency_pays() -> None:
+    """Conversations that come back once, a little later than the pool's reach under recency: the blocks that come
+    back were evicted never hit, so every adaptation shrinks protected, and the policy is PrefixLRU request for
+    request."""
+    requests = []
+    for c in range(60):
+        requests.append(chain(b"c%d" % c, 8))
+        if c >= 3:
+            requests.append(chain(b"c%d" % (c - 3), 12))  # turn 2 of the conversation started 3 earlier
+    capacity = 30
+    adaptive = AdaptiveSLRU(capacity, start=0.5)
+    result = simulate(requests, capacity, adaptive)
+    assert adaptive.moves > 0 and adaptive._target == 0.0
+    tail = requests[len(requests) // 2 :]  # once the target is 0, from an empty start too
+    assert (
+        simulate(tail, capacity, AdaptiveSLRU(capacity)).per_request
+        == simulate(tail, capacity, PrefixLRU(capacity)).per_request
+    )
+    assert result.hits >= simulate(requests, capacity, POLICIES["prefix-slru"](capacity)).hits
+
+
+def test_the_adaptive_share_grows_where_frequency_pays_and_stays_in_bounds() -> None:
+    """A hot set of prompts asked again and again between floods of one-off prompts: the hot blocks are evicted
+    after a hit, come back, and each time protected grows, up to max_share; the policy then keeps them through the
+    floods, as prefix-LRU cannot."""
+    capacity = 40
+    hot = [chain(b"hot%d" % i, 5) for i in range(5)]  # 25 blocks
+    requests = []
+    for r in range(40):
+        requests += hot
+        requests += [chain(b"once%d.%d" % (r, i), 10) for i in range(3)]  # 30 blocks never seen again
+    adaptive = AdaptiveSLRU(capacity, max_share=0.75)
+    targets = []
+    for i in range(0, len(requests), 8):
+        simulate(requests[i : i + 8], capacity, adaptive)  # one policy, fed in pieces
+        targets.append(adaptive._target)
+        assert 0.0 <= adaptive._target <= 0.75 * capacity and len(adaptive._hot) <= adaptive._target
+    assert targets[-1] > targets[0] and targets[-1] >= 25
+    late = requests[len(requests) // 2 :]
+    assert simulate(late, capacity, adaptive).hits > simulate(late, capacity, PrefixLRU(capacity)).hits
+
+
+def test_the_chat_trace_is_reproducible_and_shaped_like_its_source() -> None:
+    """The calibrated chat trace, small: seeded; one-shot API calls share nothing; a chat's turn extends its
+    previous turn's prompt."""
+    small = ChatTrace(sessions=200)
+    requests = small.requests(512)
+    assert requests == small.requests(512) and ChatTrace(sessions=200, seed=1).requests(512) != requests
+    flat = [key for request in requests for key in request]
+    counts = {}
+    for key in flat:
+        counts[key] = counts.get(key, 0) + 1
+    never = sum(1 for v in counts.values() if v == 1) / len(counts)
+    assert 0.4 < never < 0.9 and 0.1 < 1 - len(counts) / len(flat) < 0.6
+    by_first: dict[bytes, list[list[bytes]]] = {}
+    for request in requests:
+        if request:
+            by_first.setdefault(request[0], []).append(request)
+    extended = sum(
+        later[: len(earlier)] == earlier
+        for turns in by_first.values()
+        for earlier, later in zip(turns, turns[1:], strict=False)
+    )
+    assert extended >= 10  # follow-up turns re-send their conversation so far

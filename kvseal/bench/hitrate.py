@@ -5,7 +5,8 @@ against a real engine, checked against their simulation request by request.
     kvseal bench hitrate [--quick]
 
 Workloads: kvseal.bench.workload's multi-turn chats (`Workload()`) and its mix of chats, agent loops, RAG and
-one-off prompts (`MixedWorkload()`), each at 16- and 512-token blocks. Capacities: 1, 2, 5, 10, 20 and 50 % of the
+one-off prompts (`MixedWorkload()`), each at 16- and 512-token blocks, and its chat service's hour calibrated to a
+production trace (`ChatTrace()`, 512-token blocks). Capacities: 1, 2, 5, 10, 20 and 50 % of the
 workload's distinct blocks. For each, the hit ratio (blocks found / blocks asked) of every policy of POLICIES, of
 Belady (`belady`) and of Belady with admission (`belady+adm`); then each policy over LRU, over prefix-LRU (the
 floor) and over Belady; for the mixed workloads, the hit ratio of each kind of request at 5 %. Then a real
@@ -35,7 +36,7 @@ from pathlib import Path
 from kvseal.bench.harness import START_TIMEOUT_S, SharedKV, register, start_engine
 from kvseal.bench.hitsim import SimResult, belady, simulate
 from kvseal.bench.ops import LAYER, PAGE
-from kvseal.bench.workload import MixedWorkload, Workload
+from kvseal.bench.workload import ChatTrace, MixedWorkload, Workload
 from kvseal.client import EngineClient
 from kvseal.core.eviction import EVICTION_POLICIES
 from kvseal.core.policies import POLICIES
@@ -181,6 +182,10 @@ def main(quick: bool = False) -> int:
         labelled = mixed.labelled(bt)
         kinds = [kind for kind, _ in labelled]
         runs[f"mixed{bt}"] = report(f"mixed, {bt}-token blocks", kinds, [hashes for _, hashes in labelled])
+    trace = ChatTrace(sessions=800) if quick else ChatTrace()
+    runs["trace512"] = report(
+        "chat trace (calibrated to a production chat service), 512-token blocks", None, trace.requests(512)
+    )
     mixed512 = mixed.requests(512)
     engine_matches, engine_rps = engine_check(mixed512, ENGINE_SHARES)
     at5 = runs["mixed16"][5]

@@ -224,6 +224,86 @@ class PrefixSLRU(PrefixLRU):
         return victims
 
 
+class AdaptiveSLRU(PrefixSLRU):
+    """PrefixSLRU whose protected share moves online, as ARC moves its target (Megiddo and Modha): the keys it
+    evicts are remembered in two ghosts, `recency` (evicted never hit) and `frequency` (evicted after a hit). A
+    request whose missing blocks lead with ghost keys says what a different split would have hit: each leading
+    missing key found in `recency` shrinks the protected target by max(1, |frequency| / |recency|) (probation
+    would have kept it), each found in `frequency` grows it by max(1, |recency| / |frequency|); the run ends at the
+    first missing key in neither ghost (the blocks after it could not have hit). The target stays in
+    [0, `max_share` x capacity]; protected's overflow goes back to probation's most recent end at once. Where
+    frequency does not pay the target falls to 0 and the policy is PrefixLRU exactly; where it does it is a
+    segmented LRU. Each ghost holds at most `capacity` keys (oldest forgotten first). O(1) per key and event.
+    Memory: PrefixSLRU's, one flag per key hit, and up to 2 x capacity ghost keys."""
+
+    name = "prefix-arc"
+
+    def __init__(self, capacity: int = 0, max_share: float = 1.0, start: float = 0.0) -> None:
+        super().__init__(capacity, share=start)
+        self._target = float(self._hot_cap)
+        self._max = max_share * capacity
+        self._ghost_cap = max(capacity, 1)
+        self._was_hit: set[Key] = set()  # held keys a request hit (protected, or demoted back to probation)
+        self._recency: OrderedDict[Key, None] = OrderedDict()  # evicted never hit, oldest first
+        self._frequency: OrderedDict[Key, None] = OrderedDict()  # evicted after a hit, oldest first
+        self._returning: list[Key] = []  # the current request's leading missing keys found in a ghost
+        self.moves = 0  # adaptations (for reports)
+
+    def hit(self, keys: Sequence[Key]) -> None:
+        self._was_hit.update(keys)
+        super().hit(keys)
+
+    def admit(self, candidates: Sequence[Key]) -> int:
+        recency, frequency = self._recency, self._frequency
+        self._returning = []
+        for key in candidates:
+            if key in recency:
+                del recency[key]
+                self._target = max(0.0, self._target - max(1.0, len(frequency) / max(len(recency), 1)))
+            elif key in frequency:
+                del frequency[key]
+                self._target = min(self._max, self._target + max(1.0, len(recency) / max(len(frequency), 1)))
+            else:
+                break
+            self._returning.append(key)
+            self.moves += 1
+        self._hot_cap = int(self._target)
+        self._demote()
+        return len(candidates)
+
+    def insert(self, keys: Sequence[Key]) -> None:
+        """Stores as PrefixSLRU does, except that keys `admit` found in a ghost were asked for twice: they enter
+        protected (as ARC's ghost hits enter its frequency list), in reverse prompt order, then overflow."""
+        returning = [key for key in self._returning if key in set(keys)]
+        self._returning = []
+        cold, hot = self._order, self._hot
+        cold.update(dict.fromkeys(keys))
+        for key in reversed(returning):
+            del cold[key]
+            hot[key] = None
+            self._was_hit.add(key)
+        self._demote()
+        self._touch(keys)
+
+    def _demote(self) -> None:
+        cold, hot = self._order, self._hot
+        while len(hot) > self._hot_cap:
+            cold[hot.popitem(last=False)[0]] = None
+
+    def evict(self, n: int, protected: Collection[Key]) -> list[Key]:
+        victims = super().evict(n, protected)
+        for key in victims:
+            if key in self._was_hit:
+                self._was_hit.discard(key)
+                ghost = self._frequency
+            else:
+                ghost = self._recency
+            ghost[key] = None
+            if len(ghost) > self._ghost_cap:
+                ghost.popitem(last=False)
+        return victims
+
+
 class ColdStartLRU(PrefixLRU):
     """PrefixLRU that starts never-seen prompts cold (scan resistance from the prefix's shape): when a request
     hit nothing and its first block is not among the first blocks of recent no-hit requests, its blocks are
@@ -477,6 +557,7 @@ POLICIES: dict[str, Callable[[int], Policy]] = {
     "lru": LRU,
     "prefix-lru": PrefixLRU,
     "prefix-slru": PrefixSLRU,
+    "prefix-arc": AdaptiveSLRU,
     "prefix-cold": ColdStartLRU,
     "tinylfu": TinyLFU,
     "ssd-log": SSDLog,
