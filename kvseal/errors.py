@@ -11,6 +11,8 @@ Expected outcomes (a miss, a refused load, a full pool) are values, not exceptio
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -181,3 +183,12 @@ def quote(value: object) -> str:
     if len(text) > 3 * QUOTE_CHARS:  # escapes, or another type's long repr
         text, cut = text[: 3 * QUOTE_CHARS], True
     return f"{text}... ({size})" if cut else text
+
+
+def did_you_mean(key: str, valid: Iterable[str], prefix: str = "") -> str:
+    """' (did you mean 'KEY'?)' naming the known key closest to a misspelled `key` (difflib's), or '' when none is
+    close: for an error that refuses an unknown key. A `prefix` that every key shares is left out of the likeness
+    (else 'kvseal.xyzzy' is close to every 'kvseal.' key)."""
+    names = {name.removeprefix(prefix): name for name in valid}
+    close = difflib.get_close_matches(key.removeprefix(prefix), list(names), n=1)
+    return f" (did you mean {names[close[0]]!r}?)" if close else ""

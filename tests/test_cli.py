@@ -300,9 +300,9 @@ def test_an_ssd_capacity_within_the_free_space_starts(
     assert engine.stdout_path.read_text().endswith(f", SSD {ssd} (32 MiB each)\n")
 
 
-def test_the_tiers_own_segments_count_as_room(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A restart of an engine whose tier filled the disk: its segment files are room for --ssd-capacity."""
-    from kvseal.errors import ConfigError
+def test_a_directory_holding_segments_is_left_to_the_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart of an engine whose disk filled: the flags are not refused for want of room, the start measures the
+    engine's own segments (fit_ssd_capacity) once it holds the directory."""
     from kvseal.server import config
 
     ssd = tmp_path / "ssd"
@@ -313,9 +313,30 @@ def test_the_tiers_own_segments_count_as_room(tmp_path: Path, monkeypatch: pytes
     full = os.statvfs_result((*real[:4], 0, *real[5:]))  # f_bavail: 0 bytes free
     monkeypatch.setattr(config.os, "statvfs", lambda _: full)
     cfg = config.ServeConfig(pool_bytes=64 << 20, slab_bytes=2 << 20, ssd_paths=(str(ssd),), ssd_segment_bytes=4 << 20)
-    config.check_config(dataclasses.replace(cfg, ssd_capacity_bytes=8 << 20))
-    with pytest.raises(ConfigError, match=r"^argument --ssd-capacity: 12 MiB is more than the 8 MiB free on the "):
-        config.check_config(dataclasses.replace(cfg, ssd_capacity_bytes=12 << 20))
+    config.check_config(dataclasses.replace(cfg, ssd_capacity_bytes=1 << 40))
+
+
+def test_the_capacity_that_fits_counts_the_engines_segments_and_the_free_space() -> None:
+    from kvseal.errors import ConfigError
+    from kvseal.server.config import ServeConfig, fit_ssd_capacity
+    from kvseal.ssd.device import DirectorySpace
+
+    mib = 1 << 20
+    one = ServeConfig(ssd_paths=("/a",), ssd_capacity_bytes=40 * mib, ssd_segment_bytes=4 * mib)
+    assert fit_ssd_capacity(one, [DirectorySpace(1, 8 * mib, 64 * mib)]) == [40 * mib]  # it fits: as asked
+    assert fit_ssd_capacity(one, [DirectorySpace(1, 8 * mib, 9 * mib)]) == [16 * mib]  # whole segments
+    with pytest.raises(
+        ConfigError,
+        match=r"^argument --ssd-capacity: 40 MiB does not fit on the filesystem of "
+        r"--ssd-path '/a': its segments take 4 MiB and 3 MiB is free for it, less than the two "
+        r"segments a path needs \(8 MiB\): free space there$",
+    ):
+        fit_ssd_capacity(one, [DirectorySpace(1, 4 * mib, 3 * mib)])
+    with pytest.raises(ConfigError, match=r"^argument --ssd-capacity: 40 MiB is more than the 9 MiB free on the "):
+        fit_ssd_capacity(one, [DirectorySpace(1, 0, 9 * mib)])  # none of the engine's segments: refused as fresh
+    two = dataclasses.replace(one, ssd_paths=("/a", "/b", "/c"))
+    spaces = [DirectorySpace(1, 12 * mib, 20 * mib), DirectorySpace(1, 0, 20 * mib), DirectorySpace(2, 0, 99 * mib)]
+    assert fit_ssd_capacity(two, spaces) == [20 * mib, 8 * mib, 40 * mib]  # one filesystem's free space is shared
 
 
 HTTP_PORT_HINT = "pass --http HOST:PORT, the engine's HTTP address (kvseal serve --http-listen, default 127.0.0.1:9091)"

@@ -18,7 +18,7 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from kvseal.memfd import SharedArray
 from kvseal.proto import kvseal_pb2 as pb
 from kvseal.ssd import format as fmt
 from kvseal.testing import register_one_rank
+from kvseal.units import format_size
 
 pytestmark = pytest.mark.process
 
@@ -689,6 +690,77 @@ def test_a_full_disk_takes_the_path_out_and_the_engine_serves_from_memory(
     for hashes in rounds:
         load_all(w, hashes)
     assert e.alive() and e.stderr().count("write failed") == 1
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 48 MiB tmpfs of its own, a disk that fills (mounted as root, as CI runs), unmounted at teardown."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    cmd = ["mount", "-t", "tmpfs", "-o", "size=48m,mode=0700", "tmpfs", str(disk)]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a small tmpfs needs root")
+        pytest.fail(f"{' '.join(cmd)} failed as root ({r.stderr.strip()}): this test needs a disk of its own to fill")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def free_bytes(path: Path) -> int:
+    vfs = os.statvfs(path)
+    return vfs.f_bavail * vfs.f_frsize
+
+
+def test_a_restart_on_a_disk_another_writer_filled_serves_every_record(
+    small_disk: Path, engine_factory: EngineFactory, workers: Any
+) -> None:
+    """The engine's disk filled after it stopped (another writer's file): the same flags start it again with the
+    capacity that fits (its segments and the free space, in whole segments), one warning naming the numbers and the
+    capacity as a metric, and every record is served byte-exact. A fresh directory there is still refused."""
+    d = small_disk / "ssd"
+    segment = 4 << 20
+    args = ssd_args(d, capacity="40MiB", segment="4MiB")
+    n = 1200
+    hashes = block_hashes("filled", n)
+    e1 = engine_factory(*args)
+    assert metric(e1, "kvseal_ssd_capacity_bytes", path=str(d)) == 40 << 20
+    w1 = workers(e1, "i1")
+    w1.save(hashes)
+    wait_until(lambda: e1.metric("kvseal_ssd_records") == n, WAIT_S, "every block written through")
+    w1.close()
+    stop(e1)
+    held = sum(p.stat().st_blocks * 512 for p in segment_files(d))
+    assert held == 2 * segment, segment_files(d)
+    with open(small_disk / "another-writer", "wb") as f:  # all but 9 MiB: room for 2 more segments, not 8
+        os.posix_fallocate(f.fileno(), 0, free_bytes(small_disk) - (9 << 20))
+    free = free_bytes(small_disk)
+    fits = (held + free) // segment * segment
+    assert fits == 4 * segment, (held, free)
+
+    e2 = engine_factory(*args)
+    warnings = [line for line in e2.stderr().splitlines() if "--ssd-capacity" in line]
+    assert len(warnings) == 1, e2.stderr()
+    assert warnings[0].endswith(
+        f"ssd {d}: --ssd-capacity 40 MiB does not fit there now: the engine's segments take {format_size(held)} and "
+        f"{format_size(free)} is free on its filesystem: running with {format_size(fits)} (4 segments, "
+        "kvseal_ssd_capacity_bytes) until space is freed and the engine restarted"
+    ), warnings
+    assert e2.stdout_path.read_text().endswith(f", SSD {d} (16 MiB of the 40 MiB asked: its disk is full)\n")
+    assert metric(e2, "kvseal_ssd_capacity_bytes", path=str(d)) == fits
+    assert recovery(e2)["records"] == n
+    load_all(workers(e2, "i1"), hashes, first_loading=True)
+    assert verify_failures(e2) == 0 and metric(e2, "kvseal_ssd_path_failed", path=str(d)) == 0
+    assert e2.stderr().count("--ssd-capacity") == 1
+
+    r = serve_fails(*ssd_args(small_disk / "fresh", capacity="40MiB", segment="4MiB"))
+    assert r.returncode == 2 and one_error_line(r).startswith(
+        "kvseal serve: error: argument --ssd-capacity: 40 MiB is more than the "
+    ), r.stderr
+    assert f"free on the filesystem of --ssd-path '{small_disk / 'fresh'}'" in r.stderr
+    assert not (small_disk / "fresh").exists()
 
 
 # -------------------------------------------------------------------- 6. two paths

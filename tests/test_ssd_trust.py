@@ -253,6 +253,31 @@ def test_segment_files_that_are_not_the_engines_own_are_never_read_nor_written(t
     tier.close()
 
 
+def test_the_room_a_restart_counts_is_the_engines_own_segments_only(tmp_path: Path) -> None:
+    """On a full disk a restart runs with what its segments take (kvseal.server.config.fit_ssd_capacity): a planted
+    file named like a segment (another user's, a symlink, a hard link) is no room of the engine's."""
+    d = tmp_path / "ssd"
+    device = FileDevice(d, 4 << 20, 1 << 20)
+    device.create(1)
+    device.close()
+    victim = tmp_path / "victim"
+    with open(victim, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, 8 << 20)
+    (d / "seg-00000005.kvs").write_bytes(victim.read_bytes())
+    os.chown(d / "seg-00000005.kvs", NOBODY, NOBODY)
+    (d / "seg-00000006.kvs").symlink_to(victim)
+    os.link(victim, d / "seg-00000007.kvs")
+    device = FileDevice(d, 4 << 20, 1 << 20)
+    try:
+        space = device.space()
+        vfs = os.statvfs(d)
+        assert (space.held, space.filesystem) == (1 << 20, os.stat(d).st_dev)
+        assert abs(space.free - vfs.f_bavail * vfs.f_frsize) < 1 << 20
+        assert sorted(device.untrusted) == [5, 6, 7]
+    finally:
+        device.close()
+
+
 # -------------------------------------------------------------------- kvseal serve
 
 

@@ -534,6 +534,25 @@ def test_extra_config_is_one_frozen_config_and_errors_name_the_key(v: types.Simp
                 v.connector.KVSealConnector(_vllm_config(v, **{key: bad}), role, _one_group(v))
 
 
+def test_an_unknown_kvseal_key_is_refused_naming_the_closest(v: types.SimpleNamespace) -> None:
+    """A typo (`kvseal.engin`) would otherwise start vLLM on the default engine address without a word."""
+    for role in (v.KVConnectorRole.SCHEDULER, v.KVConnectorRole.WORKER):
+        with pytest.raises(ValueError) as refused:
+            v.connector.KVSealConnector(_vllm_config(v, **{"kvseal.engin": "127.0.0.1:6000"}), role, _one_group(v))
+        assert str(refused.value) == (
+            "kv_connector_extra_config: unknown key 'kvseal.engin' (did you mean 'kvseal.engine'?)"
+        )
+    with pytest.raises(ValueError, match=r"unknown key 'kvseal.timout_s' \(did you mean 'kvseal.timeout_s'\?\)"):
+        v.compat.KVSealConfig.from_extra({"kvseal.timout_s": 2})
+    # nothing close: the message lists every key (the shared prefix does not make every key close)
+    with pytest.raises(ValueError) as refused:
+        v.compat.KVSealConfig.from_extra({"kvseal.xyzzy": 1})
+    assert "unknown key 'kvseal.xyzzy' (the connector's keys: kvseal.engine, kvseal.mode," in str(refused.value)
+    assert "kvseal.window_retention_tokens)" in str(refused.value)
+    # keys of other connectors sharing the dict (no kvseal. prefix) are not kvseal's to judge
+    assert v.compat.KVSealConfig.from_extra({"lmcache.chunk_size": 256}) == v.compat.KVSealConfig()
+
+
 # ---------------------------------------------------------------- the facade: one side per role
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import difflib
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -32,7 +31,7 @@ from kvseal.cli.servers import (
     check_metaserver_args,
     check_router_args,
 )
-from kvseal.errors import ConfigError, quote
+from kvseal.errors import ConfigError, did_you_mean, quote
 
 Subcommands = argparse._SubParsersAction  # the `kvseal` subcommands, or those of `kvseal config print`
 Check = Callable[[argparse.ArgumentParser, argparse.Namespace], None]
@@ -276,8 +275,7 @@ def _scalar(action: argparse.Action, raw: object, where: str) -> Any:
 
 
 def _did_you_mean(key: str, valid: Iterable[str]) -> str:
-    close = difflib.get_close_matches(key.replace("_", "-"), list(valid), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return did_you_mean(key.replace("_", "-"), valid)  # a flag's key is written with hyphens
 
 
 def _wrong(where: str, expected: str, raw: object) -> str:

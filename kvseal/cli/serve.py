@@ -130,7 +130,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         help="directory of the SSD tier (repeat for several disks: blocks stripe across them); default: no SSD tier",
     )
     serve.add_argument(
-        "--ssd-capacity", type=positive_size, default=None, help="bytes the SSD tier may use in each --ssd-path"
+        "--ssd-capacity",
+        type=positive_size,
+        default=None,
+        help="bytes the SSD tier may use in each --ssd-path; a restart on a disk that filled runs with what the "
+        "path's segments take plus the free space (one warning)",
     )
     serve.add_argument(
         "--ssd-segment-size",
@@ -260,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"kvseal engine serving gRPC on {server.grpc_address}, HTTP on {server.http_address or 'nothing (off)'}, "
         f"{peers}lane {server.lane_socket}, pool {pool} bytes ({format_size(pool)})"
-        + (f", SSD {', '.join(cfg.ssd_paths)} ({format_size(cfg.ssd_capacity_bytes)} each)" if cfg.ssd_paths else ""),
+        + _ssd_line(cfg, server.ssd_capacities),
         flush=True,
     )
     # in short waits: a process-wide signal may be delivered to any thread, and a main thread blocked in one long
@@ -269,3 +273,17 @@ def run(args: argparse.Namespace) -> int:
         pass
     server.stop()
     return 0
+
+
+def _ssd_line(cfg: ServeConfig, capacities: tuple[int, ...]) -> str:
+    """The start line's SSD part: the paths and --ssd-capacity, or per path what it got where its disk was full."""
+    if not cfg.ssd_paths:
+        return ""
+    whole = cfg.ssd_capacity_bytes // cfg.ssd_segment_bytes * cfg.ssd_segment_bytes
+    if all(c >= whole for c in capacities):
+        return f", SSD {', '.join(cfg.ssd_paths)} ({format_size(cfg.ssd_capacity_bytes)} each)"
+    asked = format_size(cfg.ssd_capacity_bytes)
+    return ", SSD " + ", ".join(
+        f"{path} ({format_size(c)}" + (f" of the {asked} asked: its disk is full)" if c < whole else ")")
+        for path, c in zip(cfg.ssd_paths, capacities, strict=True)
+    )

@@ -19,10 +19,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvseal.auth import token_interceptor
 from kvseal.engine.engine import Engine
+from kvseal.errors import ConfigError
 from kvseal.limits import raise_open_file_limit
 from kvseal.proto import kvseal_pb2_grpc as pb_grpc
 from kvseal.server.addresses import StartError, bind_failure, check_addresses, check_unix, lane_socket_path, unix_path
-from kvseal.server.config import ServeConfig, check_config, mapped_per_uid_cap
+from kvseal.server.config import ServeConfig, check_config, fit_ssd_capacity, mapped_per_uid_cap
 from kvseal.server.grpc_service import EngineService
 from kvseal.server.http import HttpServer
 from kvseal.server.lane_server import LaneServer
@@ -206,6 +207,12 @@ class EngineServer:
         """The pool's size: --pool-size rounded down to whole slabs."""
         return self.engine.pool_bytes
 
+    @property
+    def ssd_capacities(self) -> tuple[int, ...]:
+        """Per --ssd-path, the bytes its log may take: less than --ssd-capacity where its disk was full at start."""
+        ssd = self.engine.statistics().ssd
+        return ssd.capacities if ssd is not None else ()
+
     def _tick(self) -> None:
         while not self._stop.wait(1.0):
             self.engine.tick()
@@ -299,6 +306,7 @@ def _open_ssd(cfg: ServeConfig) -> DiskTier | None:
             devices.append(device)
             if not device.direct:
                 log.warning("ssd %s: O_DIRECT is not supported there: buffered I/O (the page cache holds a copy)", path)
+        _fit_ssd(cfg, devices)
         # queued blocks stay pinned in the pool until written: a quarter of it at most, so Saves always find room
         tier = DiskTier(devices, max_pending_bytes=min(512 << 20, cfg.pool_bytes // 4))
         try:
@@ -324,6 +332,30 @@ def _open_ssd(cfg: ServeConfig) -> DiskTier | None:
         report.dropped_namespaces or "none",
     )
     return tier
+
+
+def _fit_ssd(cfg: ServeConfig, devices: list[FileDevice]) -> None:
+    """Sizes each (locked) device to the capacity that fits its disk now (kvseal.server.config.fit_ssd_capacity):
+    after the disk filled, a restart keeps every record it has, with one warning per path naming the numbers."""
+    spaces = [device.space() for device in devices]
+    try:
+        capacities = fit_ssd_capacity(cfg, spaces)
+    except ConfigError as e:
+        raise StartError(str(e)) from None
+    for device, space, capacity in zip(devices, spaces, capacities, strict=True):
+        device.resize(capacity)
+        if device.max_segments < cfg.ssd_capacity_bytes // cfg.ssd_segment_bytes:
+            log.warning(
+                "ssd %s: --ssd-capacity %s does not fit there now: the engine's segments take %s and %s is free on "
+                "its filesystem: running with %s (%d segments, kvseal_ssd_capacity_bytes) until space is freed and "
+                "the engine restarted",
+                device.name,
+                format_size(cfg.ssd_capacity_bytes),
+                format_size(space.held),
+                format_size(space.free),
+                format_size(device.max_segments * device.segment_bytes),
+                device.max_segments,
+            )
 
 
 def _allocate_engine(cfg: ServeConfig, ssd: DiskTier | None = None) -> Engine:

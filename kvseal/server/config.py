@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvseal.auth import is_loopback
 from kvseal.core.eviction import EVICTION_POLICIES
 from kvseal.core.store import PAGE_ALIGN
 from kvseal.errors import ConfigError
-from kvseal.ssd.device import SEGMENT_NAME
+from kvseal.ssd.device import SEGMENT_NAME, DirectorySpace
 from kvseal.units import format_size
 
 
@@ -173,29 +173,21 @@ def _nearest_existing(path: str) -> str:
     return path
 
 
-def _segment_bytes_held(directory: str) -> int:
-    """Bytes the tier's own segment files already take in `directory`: a restart reuses or reclaims them, so they
-    count as room for --ssd-capacity."""
+def _holds_segments(directory: str) -> bool:
+    """Whether `directory` has segment files (of whoever): a restart's, whose room the start measures."""
     try:
-        names = os.listdir(directory)
+        return any(map(SEGMENT_NAME.match, os.listdir(directory)))
     except OSError:
-        return 0
-    held = 0
-    for name in filter(SEGMENT_NAME.match, names):
-        try:
-            st = os.lstat(os.path.join(directory, name))
-        except OSError:
-            continue
-        if stat.S_ISREG(st.st_mode):
-            held += st.st_blocks * 512
-    return held
+        return False
 
 
 def _check_ssd_space(cfg: ServeConfig) -> None:
     """--ssd-capacity must fit in the free space of each --ssd-path's filesystem (f_bavail: what this user may
-    write), the capacities of the paths that share one filesystem added up; a path that cannot be looked at is left
-    to the start, which names what is wrong with it."""
+    write), the capacities of the paths that share one filesystem added up. A filesystem where a path already has
+    segment files is left to the start (fit_ssd_capacity), which counts the engine's own ones once it holds the
+    directory's lock; so is a path that cannot be looked at (the start names what is wrong with it)."""
     filesystems: dict[int, tuple[int, list[str]]] = {}  # st_dev -> (free bytes, its paths)
+    restarted: set[int] = set()
     for path in cfg.ssd_paths:
         where = _nearest_existing(path)
         try:
@@ -203,21 +195,54 @@ def _check_ssd_space(cfg: ServeConfig) -> None:
             device = os.stat(where).st_dev
         except OSError:
             continue
-        free, paths = filesystems.setdefault(device, (vfs.f_bavail * vfs.f_frsize, []))
-        paths.append(path)
-        if os.path.isdir(path):
-            filesystems[device] = (free + _segment_bytes_held(path), paths)
-    for free, paths in filesystems.values():
-        if cfg.ssd_capacity_bytes * len(paths) <= free:
-            continue
-        asked = format_size(cfg.ssd_capacity_bytes)
-        if len(paths) == 1:
-            raise ConfigError(
-                f"argument --ssd-capacity: {asked} is more than the {format_size(free)} free on the filesystem of "
-                f"--ssd-path {paths[0]!r}: pass a smaller --ssd-capacity or free space there"
-            )
-        raise ConfigError(
-            f"argument --ssd-capacity: {asked} for each of --ssd-path {', '.join(map(repr, paths))} "
-            f"({format_size(cfg.ssd_capacity_bytes * len(paths))} in all) is more than the {format_size(free)} free "
-            "on their filesystem: pass a smaller --ssd-capacity (per path) or put the paths on different disks"
+        filesystems.setdefault(device, (vfs.f_bavail * vfs.f_frsize, []))[1].append(path)
+        if os.path.isdir(path) and _holds_segments(path):
+            restarted.add(device)
+    for device, (free, paths) in filesystems.items():
+        if device not in restarted and cfg.ssd_capacity_bytes * len(paths) > free:
+            raise ConfigError(_no_room(cfg, paths, free))
+
+
+def _no_room(cfg: ServeConfig, paths: Sequence[str], free: int) -> str:
+    asked = format_size(cfg.ssd_capacity_bytes)
+    if len(paths) == 1:
+        return (
+            f"argument --ssd-capacity: {asked} is more than the {format_size(free)} free on the filesystem of "
+            f"--ssd-path {paths[0]!r}: pass a smaller --ssd-capacity or free space there"
         )
+    return (
+        f"argument --ssd-capacity: {asked} for each of --ssd-path {', '.join(map(repr, paths))} "
+        f"({format_size(cfg.ssd_capacity_bytes * len(paths))} in all) is more than the {format_size(free)} free "
+        "on their filesystem: pass a smaller --ssd-capacity (per path) or put the paths on different disks"
+    )
+
+
+def fit_ssd_capacity(cfg: ServeConfig, spaces: Sequence[DirectorySpace]) -> list[int]:
+    """The capacity each --ssd-path runs with (`spaces` in their order, measured with the directories locked): the
+    --ssd-capacity asked where it fits. Where the paths of a filesystem hold segments of this engine and it does
+    not fit (the disk filled since), each gets what its segments take and its share of the free space, in whole
+    segments: it keeps serving every record it has. ConfigError naming the numbers when that is less than the two
+    segments a path needs, or, on a filesystem holding none of the engine's segments, the --ssd-capacity is more
+    than is free there (check_config's refusal, for segment files the engine does not trust)."""
+    segment = cfg.ssd_segment_bytes
+    asked = cfg.ssd_capacity_bytes
+    out = [asked] * len(spaces)
+    for fs in {s.filesystem for s in spaces}:
+        mine = [i for i, s in enumerate(spaces) if s.filesystem == fs]
+        held, free = sum(spaces[i].held for i in mine), spaces[mine[0]].free
+        if asked * len(mine) <= held + free:
+            continue
+        paths = [cfg.ssd_paths[i] for i in mine]
+        if not held:
+            raise ConfigError(_no_room(cfg, paths, free))
+        for i in mine:
+            room = spaces[i].held + free // len(mine)
+            out[i] = min(asked, room // segment * segment)
+            if out[i] < 2 * segment:
+                raise ConfigError(
+                    f"argument --ssd-capacity: {format_size(asked)} does not fit on the filesystem of --ssd-path "
+                    f"{cfg.ssd_paths[i]!r}: its segments take {format_size(spaces[i].held)} and "
+                    f"{format_size(free // len(mine))} is free for it, less than the two segments a path needs "
+                    f"({format_size(2 * segment)}): free space there"
+                )
+    return out

@@ -133,6 +133,14 @@ def _ssd_metrics(t: TierStatistics) -> Iterator[Metric]:
     for reason in ("checksum", "digest", "truncated", "mismatch"):
         failures.add_metric([reason], t.verify_failures.get(reason, 0))
     yield failures
+    capacity = GaugeMetricFamily(
+        "kvseal_ssd_capacity_bytes",
+        "Bytes a path's log may take: --ssd-capacity in whole segments, or less where a restart found its disk full",
+        labels=["path"],
+    )
+    for path, size in zip(t.devices, t.capacities, strict=True):
+        capacity.add_metric([path], size)
+    yield capacity
     failed = GaugeMetricFamily("kvseal_ssd_path_failed", "1 when a path stopped taking writes", labels=["path"])
     for path in t.devices:
         failed.add_metric([path], int(path in t.failed_devices))

@@ -37,6 +37,7 @@ import re
 import stat
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -105,6 +106,15 @@ class Device(Protocol):
     def close(self) -> None:
         """Releases what the device holds (descriptors, the directory's lock). Idempotent."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class DirectorySpace:
+    """What a tier directory's filesystem has for the tier, measured at start (FileDevice.space)."""
+
+    filesystem: int  # st_dev: paths that share one add their capacities up against one free space
+    held: int  # bytes the engine's own (trusted) segment files there take on the disk
+    free: int  # bytes this user may still write there (f_bavail)
 
 
 class TierDirectoryError(FailedPrecondition, OSError):
@@ -227,6 +237,19 @@ class FileDevice:
             else:
                 found.append(seq)
         return sorted(found)
+
+    def space(self) -> DirectorySpace:
+        """The directory's filesystem, what the trusted segments in it take (allocated blocks: none but files of
+        this user in its own locked directory count) and what is free there now."""
+        held = sum(os.fstat(self._fd(seq)).st_blocks * 512 for seq in self.segments())
+        vfs = os.fstatvfs(self._dir_fd)
+        return DirectorySpace(os.fstat(self._dir_fd).st_dev, held, vfs.f_bavail * vfs.f_frsize)
+
+    def resize(self, capacity_bytes: int) -> None:
+        """Holds `capacity_bytes` from now on (whole segments, at least 2): before the tier opens, never after."""
+        if capacity_bytes // self.segment_bytes < 2:
+            raise ValueError(f"{self.dir}: capacity {capacity_bytes} bytes holds fewer than 2 segments")
+        self.max_segments = capacity_bytes // self.segment_bytes
 
     def _open_segment(self, seq: int) -> str:
         """Opens an existing segment file and keeps its descriptor; returns why it is not trusted ('' when it is)."""

@@ -73,6 +73,7 @@ class TierStatistics:
     failed_devices: dict[str, str]  # device name -> the error that took it out of the write rotation
     direct: bool
     devices: tuple[str, ...] = ()  # empty only for the no-op tier (kvseal.ssd.null)
+    capacities: tuple[int, ...] = ()  # per device, the bytes its log may take (max_segments x segment_bytes)
 
 
 class Tier(Protocol):
@@ -349,6 +350,7 @@ class DiskTier:
                 failed_devices={w.device.name: w.failed for w in self._writers if w.failed},
                 direct=all(d.direct for d in self._devices),
                 devices=tuple(d.name for d in self._devices),
+                capacities=tuple(d.max_segments * d.segment_bytes for d in self._devices),
             )
 
     def inspect(self, verify: bool = False) -> tuple[RecoveryReport, dict[NamespaceKey, dict[str, int]]]:

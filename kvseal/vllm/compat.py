@@ -13,10 +13,11 @@ from __future__ import annotations
 import os
 import pwd
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from kvseal.core.layout import KvGroup
+from kvseal.errors import did_you_mean, quote
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +41,8 @@ NULL_BLOCK_ID = 0  # vLLM's null block (BlockPool.null_block, the first block id
 @dataclass(frozen=True, slots=True)
 class KVSealConfig:
     """The connector's `kv_connector_extra_config`, validated. Every field is the key `kvseal.<field>`; build it
-    with `from_extra`, which raises ValueError naming the key and the value it refuses."""
+    with `from_extra`, which raises ValueError naming the key and the value it refuses, or a `kvseal.` key that is
+    none of these (a typo would otherwise leave its default in place without a word)."""
 
     engine: str = DEFAULT_ENGINE  # gRPC target
     mode: Mode = "read_write"
@@ -54,6 +56,11 @@ class KVSealConfig:
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> KVSealConfig:
+        known = [f"kvseal.{field.name}" for field in fields(cls)]
+        for key in extra:
+            if isinstance(key, str) and key.startswith("kvseal.") and key not in known:
+                hint = did_you_mean(key, known, "kvseal.") or f" (the connector's keys: {', '.join(known)})"
+                raise ValueError(f"kv_connector_extra_config: unknown key {quote(key)}{hint}")
         mode = extra.get("kvseal.mode", "read_write")
         if mode not in MODES:
             raise ValueError(f"kvseal.mode must be one of {MODES}, got {mode!r}")

@@ -9,8 +9,9 @@ identity, kvseal.vllm.identity), `kvseal.mode` (read_write | save_only | load_on
 `kvseal.engine_uid` (the engine's user, a uid or name, when it is neither root nor vLLM's: the connector hands its KV
 memory only to a lane served by root, its own user or this one), `kvseal.pd_timeout_s` (how long a prefill holds
 its blocks for the decode instance, default 30), `kvseal.sync_load_bytes` (loads of at most this many bytes per
-worker run in the step that schedules the request, default 64 MiB; 0: every load is asynchronous). Parsed and
-checked at construction (kvseal.vllm.compat.KVSealConfig).
+worker run in the step that schedules the request, default 64 MiB; 0: every load is asynchronous),
+`kvseal.window_retention_tokens` (hybrid models: the window blocks saved, default all). Parsed and checked at
+construction (kvseal.vllm.compat.KVSealConfig): a `kvseal.` key that is none of these is refused, naming the closest.
 
 vLLM builds one connector per role, and this one picks that role's side once and hands it every call, as vLLM's
 OffloadingConnector does:
